@@ -1,0 +1,1 @@
+"""Small stdlib-only helpers (layer 0)."""
