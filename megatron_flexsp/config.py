@@ -1,0 +1,60 @@
+"""Configuration dataclasses (layer 0, stdlib only): one validation site, passed explicitly."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+OVER_LENGTH_POLICIES = ("error", "truncate", "drop")
+STRATEGIES = ("static", "batchada", "megatron-dcp", "flexsp")
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Settings of the FlexSP planner.
+
+    num_buckets: length buckets for short sequences in the MILP.
+    long_fraction: sequences longer than this fraction of one GPU's token capacity are placed
+        individually by the MILP (up to ``max_long`` of them, longest first).
+    max_extra_micro_batches: the MILP may use up to this many micro-batches beyond the memory minimum.
+    node_limit: branch-and-bound node limit (deterministic); time_limit_s: safety net (seconds).
+    rel_gap: relative MIP gap at which HiGHS stops.
+    over_length: what to do with a sequence longer than the cluster holds: "error", "truncate", "drop".
+    """
+
+    num_buckets: int = 16
+    long_fraction: float = 0.5
+    max_long: int = 48
+    max_extra_micro_batches: int = 2
+    node_limit: int = 500
+    time_limit_s: float = 20.0
+    rel_gap: float = 0.005
+    over_length: str = "error"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_buckets < 1:
+            raise ValueError(f"num_buckets={self.num_buckets} must be >= 1")
+        if not 0.0 < self.long_fraction:
+            raise ValueError(f"long_fraction={self.long_fraction} must be > 0")
+        if self.max_long < 0:
+            raise ValueError(f"max_long={self.max_long} must be >= 0")
+        if self.max_extra_micro_batches < 0:
+            raise ValueError(f"max_extra_micro_batches={self.max_extra_micro_batches} must be >= 0")
+        if self.node_limit < 1 or self.time_limit_s <= 0:
+            raise ValueError(f"node_limit={self.node_limit} and time_limit_s={self.time_limit_s} "
+                             f"must be positive")
+        if not 0.0 <= self.rel_gap < 1.0:
+            raise ValueError(f"rel_gap={self.rel_gap} must be in [0, 1)")
+        if self.over_length not in OVER_LENGTH_POLICIES:
+            raise ValueError(f"over_length={self.over_length!r} must be one of {OVER_LENGTH_POLICIES}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "PlannerConfig":
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown planner setting(s) {unknown}; known: {sorted(known)}")
+        return cls(**data)

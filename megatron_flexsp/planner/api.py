@@ -1,0 +1,184 @@
+"""``plan_step``: the planner's one entry point, for every strategy.
+
+Strategies (same harness, same cost model, same packing helpers):
+
+* ``static``: one fixed group size for the whole run -- the smallest that holds ``max_seq_len``, as
+  a Megatron-CP / DeepSpeed-Ulysses user must choose it -- with the best micro-batch count;
+* ``batchada``: the best single group size for this batch;
+* ``megatron-dcp``: Megatron's dynamic-context-parallel greedy;
+* ``flexsp``: the step MILP (HiGHS), realized on the real lengths, never worse than its fallbacks
+  (the FlexSP greedy and the best homogeneous plan), with a valid lower bound and its gap.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+
+import numpy as np
+
+from megatron_flexsp.config import STRATEGIES, PlannerConfig
+from megatron_flexsp.cost_model import CostModel
+from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
+from megatron_flexsp.planner import heuristics as H
+from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.layout import Tables, to_step_plan
+from megatron_flexsp.planner.milp import solve_step_milp
+from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
+from megatron_flexsp.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LengthFix:
+    """Result of the over-length policy: trained lengths, dropped indices and tokens cut."""
+
+    lens: np.ndarray
+    dropped: tuple[int, ...]
+    tokens_truncated: int
+    tokens_dropped: int
+
+
+def apply_over_length(lens: np.ndarray, limit: int, policy: str) -> LengthFix:
+    """Apply ``policy`` to sequences longer than ``limit`` tokens (what the cluster can hold)."""
+    lens = np.asarray(lens, dtype=np.int64)
+    over = np.flatnonzero(lens > limit)
+    if len(over) == 0:
+        return LengthFix(lens.copy(), (), 0, 0)
+    if policy == "error":
+        i = int(over[0])
+        raise ValueError(f"sequence {i} has length {int(lens[i])}, above the capacity of the largest "
+                         f"group ({limit} tokens); {len(over)} sequence(s) exceed it "
+                         f"(set over_length to 'truncate' or 'drop')")
+    out = lens.copy()
+    if policy == "truncate":
+        cut = int((lens[over] - limit).sum())
+        out[over] = limit
+        log.warning("truncated %d sequence(s) to %d tokens (%d tokens cut)", len(over), limit, cut)
+        return LengthFix(out, (), cut, 0)
+    dropped = int(lens[over].sum())
+    out[over] = 0
+    log.warning("dropped %d sequence(s) longer than %d tokens (%d tokens)", len(over), limit, dropped)
+    return LengthFix(out, tuple(int(i) for i in over), 0, dropped)
+
+
+def _validate_input(lens: np.ndarray) -> None:
+    if lens.ndim != 1 or len(lens) == 0:
+        raise ValueError(f"the global batch is empty (got {len(lens)} sequence lengths)")
+    if (lens <= 0).any():
+        i = int(np.flatnonzero(lens <= 0)[0])
+        raise ValueError(f"sequence {i} has length {int(lens[i])}; lengths must be >= 1")
+
+
+def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
+              config: PlannerConfig | None = None, max_seq_len: int = 0) -> StepPlan:
+    """Plan one global batch.
+
+    ``seq_lens``: token counts of the global batch (1-D). ``cm``: cost model of the cluster and model.
+    ``max_seq_len``: the run's longest allowed sequence (used by ``static`` to fix its group size;
+    defaults to the batch's longest). Returns a validated-structure :class:`StepPlan`, times in ms.
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
+    cfg = config or PlannerConfig()
+    original = np.asarray(seq_lens, dtype=np.int64)
+    _validate_input(original)
+    fix = apply_over_length(original, cm.max_tokens, cfg.over_length)
+    kept = np.flatnonzero(fix.lens > 0)
+    if len(kept) == 0:
+        raise ValueError(f"all {len(original)} sequences were dropped (longer than {cm.max_tokens})")
+    t0 = time.perf_counter()
+    tab = Tables(fix.lens[kept], cm)
+    if strategy == "flexsp":
+        plan = _plan_flexsp(tab, cfg)
+    else:
+        plan = _plan_baseline(tab, strategy, max_seq_len or int(original.max()))
+    plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - t0)
+    return _remap(plan, kept, fix, original)
+
+
+def _plan_baseline(tab: Tables, strategy: str, max_seq_len: int) -> StepPlan:
+    if strategy == "megatron-dcp":
+        layout = H.megatron_dcp(tab)
+        if layout is None:
+            raise ValueError("megatron-dcp found no memory-feasible plan for this batch")
+        return to_step_plan(layout, tab, strategy=strategy, method="dcp-greedy")
+    if strategy == "static":
+        d = tab.cm.min_group_size(min(max_seq_len, tab.cm.max_tokens))
+        sizes = [d]
+    else:
+        sizes = tab.sizes
+    found = H.best_homogeneous(tab, sizes)
+    if found is None:
+        raise ValueError(f"{strategy}: no memory-feasible homogeneous plan with group sizes {sizes}")
+    layout, d = found
+    return to_step_plan(layout, tab, strategy=strategy, method=f"homogeneous-d{d}")
+
+
+def lower_bounds(tab: Tables, m_max: int) -> tuple[float, float]:
+    """(always-valid bound, bound for plans with more than ``m_max`` micro-batches), in ms.
+
+    Every micro-batch costs at least the smallest fixed cost plus its GPU-time over N; every
+    sequence at least its fastest feasible time plus that group's fixed cost.
+    """
+    n = tab.cm.cluster.num_gpus
+    f_min = min(tab.fixed.values())
+    area = tab.area_min_ms() / n
+    fastest = max(min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes if tab.lens[i] <= tab.cap[d])
+                  for i in range(len(tab.lens)))
+    base = max(H.min_micro_batches(tab) * f_min + area, fastest)
+    return base, (m_max + 1) * f_min + area
+
+
+def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
+    n = tab.cm.cluster.num_gpus
+    candidates = []
+    greedy = H.greedy(tab)
+    if greedy is not None:
+        candidates.append((tab.step_ms(greedy), "greedy", greedy))
+    homo = H.best_homogeneous(tab, tab.sizes)
+    if homo is not None:
+        candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
+    if not candidates:
+        raise ValueError("no memory-feasible plan exists for this batch")
+    inc_ms, _, inc = min(candidates, key=lambda c: c[0])
+    f_min = min(tab.fixed.values())
+    area = tab.area_min_ms() / n
+    m_min = H.min_micro_batches(tab)
+    m_max = m_min
+    while (m_max + 1) * f_min + area < inc_ms and m_max < m_min + cfg.max_extra_micro_batches:
+        m_max += 1
+    m_max = max(m_max, min(len(inc), m_min + cfg.max_extra_micro_batches))
+    longs, rest = select_long(tab, fraction=cfg.long_fraction, max_long=cfg.max_long)
+    cm = tab.cm
+    buckets = make_buckets(tab.lens, rest, num_buckets=cfg.num_buckets,
+                           a_attn=cm.coeffs.a_attn_ms_per_token2, a_lin=cm.coeffs.a_lin_ms_per_token,
+                           cuts=bucket_cuts(tab))
+    res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
+                          warm=inc if len(inc) <= m_max else None, time_limit_s=cfg.time_limit_s,
+                          node_limit=cfg.node_limit, rel_gap=cfg.rel_gap, seed=cfg.seed)
+    if res.counts:
+        layout = realize(res, tab, buckets)
+        if layout is not None:
+            candidates.insert(0, (tab.step_ms(layout), "milp", layout))
+    base, tail = lower_bounds(tab, m_max)
+    bound = max(base, min(res.dual_bound_ms, tail)) if math.isfinite(res.dual_bound_ms) else base
+    best_ms, method, layout = min(candidates, key=lambda c: c[0])
+    info = {"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": res.solve_time_s,
+            "milp_objective_ms": res.objective_ms, "milp_dual_bound_ms": res.dual_bound_ms,
+            "m_max": m_max, "num_long": len(longs), "num_buckets": len(buckets.members),
+            "candidates_ms": {name: ms for ms, name, _ in candidates}}
+    return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=bound,
+                        info=info, bucketing_error=buckets.error)
+
+
+def _remap(plan: StepPlan, kept: np.ndarray, fix: LengthFix, original: np.ndarray) -> StepPlan:
+    """Express a plan of the kept sub-batch in indices of the whole batch."""
+    mbs = tuple(MicroBatchPlan(tuple(GroupPlan(g.ranks, tuple(int(kept[i]) for i in g.seqs),
+                                               g.predicted_ms) for g in mb.groups))
+                for mb in plan.micro_batches)
+    return dataclasses.replace(plan, micro_batches=mbs, seq_lens=tuple(int(x) for x in fix.lens),
+                               original_lens=tuple(int(x) for x in original), dropped=fix.dropped,
+                               tokens_truncated=fix.tokens_truncated, tokens_dropped=fix.tokens_dropped)

@@ -1,0 +1,90 @@
+"""Adaptive length bucketing: few buckets for the MILP, chosen by dynamic programming.
+
+Short sequences enter the MILP as fluid token amounts per bucket, priced at the bucket's cheapest
+time per token (its shortest member), which keeps the MILP a valid relaxation. The DP picks bucket
+boundaries that minimise the work this under-pricing hides:
+``sum_i (rate(len_i) - rate(min of bucket)) * len_i = a_attn * sum_i (len_i - lo) * len_i`` at size 1.
+The real sequences are placed afterwards, so bucketing never changes what is trained.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """``members[k]``: indices (into the batch) of bucket k, ascending by length.
+    ``error``: under-priced work / total work of the bucketed sequences (0 = exact)."""
+
+    members: tuple[np.ndarray, ...]
+    lo: tuple[int, ...]
+    hi: tuple[int, ...]
+    error: float
+
+
+def make_buckets(lens: np.ndarray, idx: np.ndarray, *, num_buckets: int, a_attn: float, a_lin: float,
+                 max_candidates: int = 256, cuts: tuple[int, ...] = ()) -> Buckets:
+    """Bucket the sequences ``idx`` of ``lens`` into at most ``num_buckets`` contiguous length ranges.
+
+    ``cuts``: lengths that must start a new bucket (e.g. memory-capacity thresholds), so a bucket
+    never mixes sequences that different group sizes can hold. ``max_candidates`` bounds the DP
+    (boundaries are restricted to that many length quantiles).
+    """
+    if num_buckets < 1:
+        raise ValueError(f"num_buckets={num_buckets} must be >= 1")
+    idx = np.asarray(idx, dtype=np.int64)
+    if len(idx) == 0:
+        return Buckets((), (), (), 0.0)
+    order = idx[np.argsort(lens[idx], kind="stable")]
+    x = lens[order].astype(np.float64)
+    n = len(x)
+    # candidate bucket starts: first index of each distinct length, thinned to quantiles, plus cuts
+    starts = np.flatnonzero(np.r_[True, x[1:] != x[:-1]])
+    if len(starts) > max_candidates:
+        starts = np.unique(starts[np.linspace(0, len(starts) - 1, max_candidates).astype(int)])
+    forced = sorted({int(np.searchsorted(x, c, side="right")) for c in cuts} - {0, n})
+    starts = np.unique(np.r_[starts, forced, 0]).astype(np.int64)
+    c = len(starts)
+    bounds = np.r_[starts, n]
+    s1 = np.r_[0.0, np.cumsum(x)]
+    s2 = np.r_[0.0, np.cumsum(x * x)]
+
+    def seg_cost(a, b):  # cost of bucket covering x[bounds[a]:bounds[b]], vectorised over a
+        lo_i, hi_i = bounds[a], bounds[b]
+        return (s2[hi_i] - s2[lo_i]) - x[lo_i] * (s1[hi_i] - s1[lo_i])
+
+    forced_pos = {int(np.searchsorted(starts, f)) for f in forced}
+    k_max = max(num_buckets, len(forced) + 1)
+    inf = np.inf
+    cost = np.full((k_max + 1, c + 1), inf)
+    arg = np.zeros((k_max + 1, c + 1), dtype=np.int64)
+    cost[0, 0] = 0.0
+    for k in range(1, k_max + 1):
+        for b in range(1, c + 1):
+            a = np.arange(0, b)
+            # a bucket [a, b) may not contain a forced start strictly inside it
+            if forced_pos:
+                inside = [p for p in forced_pos if p < b]
+                if inside:
+                    a = a[a >= max(inside)]
+            vals = cost[k - 1, a] + seg_cost(a, b)
+            j = int(np.argmin(vals))
+            cost[k, b], arg[k, b] = vals[j], a[j]
+    k_best = int(np.argmin(cost[:, c]))
+    edges, b = [c], c
+    for k in range(k_best, 0, -1):
+        b = int(arg[k, b])
+        edges.append(b)
+    edges = edges[::-1]
+    members, lo, hi = [], [], []
+    for a, b in zip(edges[:-1], edges[1:]):
+        seg = order[bounds[a]:bounds[b]]
+        members.append(seg)
+        lo.append(int(lens[seg[0]]))
+        hi.append(int(lens[seg[-1]]))
+    hidden = a_attn * float(cost[k_best, c])
+    total = float(a_attn * s2[n] + a_lin * s1[n])
+    return Buckets(tuple(members), tuple(lo), tuple(hi), hidden / total if total > 0 else 0.0)

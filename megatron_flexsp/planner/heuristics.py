@@ -1,0 +1,189 @@
+"""Fast plans: homogeneous packing (static / BatchAda), the FlexSP greedy, and Megatron's DCP greedy.
+
+All return a layout (see :mod:`layout`) or ``None`` when the heuristic finds no memory-feasible
+layout. They are the baselines of the simulator and the fallbacks of the MILP planner.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from megatron_flexsp.planner.layout import Group, Tables, improve_layout, pack_lpt
+
+
+def min_micro_batches(tab: Tables) -> int:
+    """Fewest micro-batches memory allows: total tokens over the cluster's token capacity."""
+    n = tab.cm.cluster.num_gpus
+    return max(1, math.ceil(int(tab.lens.sum()) / (tab.cm.capacity_tokens * n)))
+
+
+def homogeneous(tab: Tables, d: int, m: int, items=None) -> list[list[Group]] | None:
+    """All groups of size ``d`` (``num_gpus / d`` per micro-batch), ``m`` micro-batches, LPT packing."""
+    items = range(len(tab.lens)) if items is None else items
+    n = tab.cm.cluster.num_gpus
+    layout = [[Group(d) for _ in range(n // d)] for _ in range(m)]
+    if not pack_lpt(items, [g for mb in layout for g in mb], tab):
+        return None
+    return layout
+
+
+def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3):
+    """Best (step time) homogeneous layout over ``sizes`` and micro-batch counts; (layout, d) or None."""
+    best, best_ms, best_d = None, math.inf, 0
+    m0 = min_micro_batches(tab)
+    longest = int(tab.lens.max())
+    for d in sizes:
+        if longest > tab.cap[d]:
+            continue
+        misses = 0
+        for m in range(m0, m0 + 64):
+            layout = homogeneous(tab, d, m)
+            if layout is None:
+                continue
+            ms = tab.step_ms(layout)
+            if ms < best_ms - 1e-9:
+                best, best_ms, best_d, misses = layout, ms, d, 0
+            else:
+                misses += 1
+                if misses > extra_micro_batches:
+                    break
+    return (best, best_d) if best is not None else None
+
+
+def _blast(tab: Tables, m: int) -> list[list[int]] | None:
+    """Sequence blaster: split the batch into ``m`` micro-batches balanced by predicted GPU-time.
+
+    Each sequence weighs its smallest feasible GPU-time (size x time); heaviest first onto the
+    lightest micro-batch with token room (cluster capacity). None if some sequence has no room.
+    """
+    n = tab.cm.cluster.num_gpus
+    cap = tab.cm.capacity_tokens * n
+    weight = np.array([tab.min_size[i] * tab.time[int(tab.min_size[i])][i] for i in range(len(tab.lens))])
+    area, tokens = [0.0] * m, [0] * m
+    out: list[list[int]] = [[] for _ in range(m)]
+    for i in sorted(range(len(tab.lens)), key=lambda i: (-weight[i], i)):
+        ok = [j for j in range(m) if tokens[j] + tab.lens[i] <= cap]
+        if not ok:
+            return None
+        j = min(ok, key=lambda j: (area[j], j))
+        out[j].append(i)
+        area[j] += weight[i]
+        tokens[j] += int(tab.lens[i])
+    return out
+
+
+def _greedy_micro_batch(tab: Tables, items: list[int]) -> list[Group] | None:
+    """Groups for one micro-batch: long sequences get the smallest size meeting a time target; the
+    rest of the GPUs become size-1 groups; then everything is packed longest-first."""
+    n = tab.cm.cluster.num_gpus
+    f_min = min(tab.fixed.values())
+    area = sum(tab.min_size[i] * tab.time[int(tab.min_size[i])][i] for i in items)
+    fastest = [min(tab.time[d][i] + tab.fixed[d] for d in tab.sizes if d >= tab.min_size[i])
+               for i in items]
+    target = max([area / n + f_min] + fastest)
+    groups: list[Group] = []
+    free = n
+    longs = sorted((i for i in items if tab.min_size[i] > 1), key=lambda i: (-tab.lens[i], i))
+    for i in longs:
+        chosen = None
+        for d in tab.sizes:
+            if d < tab.min_size[i] or d > free:
+                continue
+            chosen = d
+            if tab.time[d][i] + tab.fixed[d] <= target:
+                break
+        if chosen is not None:
+            g = Group(chosen)
+            tab.add(g, i)
+            groups.append(g)
+            free -= chosen
+            continue
+        fits = [g for g in groups if tab.fits(g, i)]
+        if not fits:
+            return None
+        g = min(fits, key=lambda g: (tab.finish(g) + tab.time[g.size][i], g.size))
+        tab.add(g, i)
+    groups += [Group(1) for _ in range(free)] if 1 in tab.sizes else []
+    shorts = [i for i in items if tab.min_size[i] <= 1]
+    if not pack_lpt(shorts, groups, tab):
+        return None
+    return [g for g in groups if g.seqs]
+
+
+def greedy(tab: Tables, extra_micro_batches: int = 3) -> list[list[Group]] | None:
+    """FlexSP greedy: blaster by GPU-time, per-micro-batch grouping, LPT, local search; best m."""
+    best, best_ms = None, math.inf
+    m0 = min_micro_batches(tab)
+    for m in range(m0, m0 + extra_micro_batches + 1):
+        split = _blast(tab, m)
+        if split is None:
+            continue
+        layout = []
+        for items in split:
+            mb = _greedy_micro_batch(tab, items)
+            if mb is None:
+                layout = None
+                break
+            layout.append(mb)
+        if layout is None:
+            continue
+        improve_layout(layout, tab)
+        ms = tab.step_ms(layout)
+        if ms < best_ms - 1e-9:
+            best, best_ms = layout, ms
+    return best
+
+
+def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
+    """Megatron dynamic-CP greedy (``../shared/notes/peers.md``), evaluated under our cost model.
+
+    Sequences sorted by length; each gets the smallest power-of-two size with ``len/size`` within the
+    per-rank token cap (here the memory capacity); it joins a group of that size with room (least
+    ``sum(len^2)/size`` workload) or opens one on free ranks, else waits for the next micro-batch.
+    Then groups are doubled while free ranks remain and doubling lowers the critical rank's
+    workload. The workload proxy has no communication or linear term (as in Megatron).
+    """
+    n = tab.cm.cluster.num_gpus
+    remaining = sorted(range(len(tab.lens)), key=lambda i: (-tab.lens[i], i))
+    layout: list[list[Group]] = []
+    while remaining:
+        free, groups, left = n, [], []
+        work: dict[int, float] = {}
+        for i in remaining:
+            d = int(tab.min_size[i])
+            if d == 0:
+                return None
+            same = [g for g in groups if g.size == d and g.tokens + tab.lens[i] <= tab.cap[d]]
+            if same:
+                g = min(same, key=lambda g: work[id(g)])
+            elif free >= d:
+                g = Group(d)
+                groups.append(g)
+                work[id(g)] = 0.0
+                free -= d
+            else:
+                left.append(i)
+                continue
+            g.seqs.append(int(i))
+            g.tokens += int(tab.lens[i])
+            work[id(g)] += float(tab.lens[i]) ** 2 / d
+        if not groups:
+            return None
+        while True:
+            crit = max(groups, key=lambda g: work[id(g)])
+            bigger = crit.size * 2
+            if bigger > free + crit.size or bigger not in tab.cap:
+                break
+            others = max((work[id(g)] for g in groups if g is not crit), default=0.0)
+            if max(others, work[id(crit)] / 2) >= work[id(crit)]:
+                break
+            free -= crit.size
+            crit.size = bigger
+            work[id(crit)] /= 2
+        for g in groups:
+            g.load_ms = float(sum(tab.time[g.size][i] for i in g.seqs))
+        layout.append(groups)
+        remaining = left
+    return layout

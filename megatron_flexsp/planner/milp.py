@@ -1,0 +1,235 @@
+"""The step MILP, solved with HiGHS: group counts per size, not interchangeable slots.
+
+Variables, for micro-batch ``j`` (at most ``m_max``) and allowed group size ``d``:
+
+* ``M_j``: makespan of micro-batch j (objective: minimise ``sum_j M_j``, i.e. the step time);
+* ``n_jd``: number of groups of size d, as binary digits ``z_jdb`` (``n = sum_b 2^b z_jdb``) so that
+  the capacity ``n_jd * M_j`` is linear through ``P_jdb = z_jdb * M_j`` (exact, since z is binary);
+* ``y_ijd``: long sequence i runs in micro-batch j on a group of size d (binary);
+* ``tau_kjd``: tokens of length bucket k run in (j, d) (continuous, fluid).
+
+Constraints: every long sequence once, every bucket's tokens once; ``sum_d d n_jd <= N``; per (j, d)
+the work (sequence times + fixed cost per group) fits in ``n_jd * M_j`` and the tokens in
+``n_jd * d * capacity``; a long sequence's own time fits in ``M_j``; sequences longer than half (a
+third) of a group's memory cannot share it with another (two others); ``M_j >= M_{j+1}``.
+Short sequences are priced at their bucket's cheapest rate, so the model is a relaxation of the real
+problem and HiGHS's dual bound is a valid lower bound on any plan with at most ``m_max``
+micro-batches. There are no interchangeable slots, so HiGHS closes the gap instead of enumerating
+symmetric copies.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from megatron_flexsp.planner.bucketing import Buckets
+from megatron_flexsp.planner.layout import Group, Tables
+
+
+@contextmanager
+def _quiet_stdout():
+    """HiGHS prints a banner to the C-level stdout when the first instance is built."""
+    fd = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            yield
+    finally:
+        os.dup2(fd, 1)
+        os.close(fd)
+
+
+@dataclass
+class MilpResult:
+    """Decoded MILP solution: per micro-batch group counts, long-sequence sizes, bucket tokens."""
+
+    counts: list[dict[int, int]]          # counts[j][d] = number of groups of size d
+    long_at: dict[int, tuple[int, int]]   # sequence -> (micro-batch, size)
+    tokens: dict[tuple[int, int, int], float]  # (bucket, j, d) -> tokens
+    makespans: list[float]
+    objective_ms: float
+    dual_bound_ms: float
+    status: str
+    nodes: int
+    solve_time_s: float
+
+
+class _Model:
+    """Tiny sparse model builder (columns, rows) passed to HiGHS in one call."""
+
+    def __init__(self) -> None:
+        self.lb, self.ub, self.cost, self.integer = [], [], [], []
+        self.rows: list[tuple[float, float, list[int], list[float]]] = []
+
+    def col(self, lb: float, ub: float, cost: float = 0.0, integer: bool = False) -> int:
+        self.lb.append(lb)
+        self.ub.append(ub)
+        self.cost.append(cost)
+        self.integer.append(integer)
+        return len(self.lb) - 1
+
+    def row(self, lo: float, hi: float, idx: list[int], val: list[float]) -> None:
+        if idx:
+            self.rows.append((lo, hi, idx, val))
+
+    def to_highs(self, *, threads: int, time_limit_s: float, node_limit: int, rel_gap: float,
+                 seed: int) -> highspy.Highs:
+        with _quiet_stdout():
+            h = highspy.Highs()
+        for key, value in (("output_flag", False), ("threads", threads), ("random_seed", seed),
+                           ("time_limit", float(time_limit_s)), ("mip_max_nodes", int(node_limit)),
+                           ("mip_rel_gap", float(rel_gap))):
+            h.setOptionValue(key, value)
+        lp = highspy.HighsLp()
+        lp.num_col_ = len(self.lb)
+        lp.num_row_ = len(self.rows)
+        lp.col_cost_ = np.array(self.cost, dtype=np.float64)
+        lp.col_lower_ = np.array(self.lb, dtype=np.float64)
+        lp.col_upper_ = np.array(self.ub, dtype=np.float64)
+        lp.row_lower_ = np.array([r[0] for r in self.rows], dtype=np.float64)
+        lp.row_upper_ = np.array([r[1] for r in self.rows], dtype=np.float64)
+        starts = np.cumsum([0] + [len(r[2]) for r in self.rows])
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = starts.astype(np.int32)
+        lp.a_matrix_.index_ = np.concatenate([r[2] for r in self.rows]).astype(np.int32)
+        lp.a_matrix_.value_ = np.concatenate([r[3] for r in self.rows]).astype(np.float64)
+        lp.integrality_ = [highspy.HighsVarType.kInteger if i else highspy.HighsVarType.kContinuous
+                           for i in self.integer]
+        h.passModel(lp)
+        return h
+
+
+def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: int,
+                    upper_ms: float, warm: list[list[Group]] | None, time_limit_s: float,
+                    node_limit: int, rel_gap: float, seed: int = 0, slot_max: int = 8) -> MilpResult:
+    """Build and solve the step MILP for ``longs`` (individual) and ``buckets`` (fluid).
+
+    ``upper_ms``: a known feasible step time (big-M for ``M_j``); ``warm``: a layout with at most
+    ``m_max`` micro-batches given to HiGHS as its first incumbent. Single-threaded; the node limit
+    makes the result deterministic, the time limit is a safety net.
+    """
+    cm = tab.cm
+    n_gpus = cm.cluster.num_gpus
+    sizes = tab.sizes
+    cap = tab.cap
+    big = float(upper_ms)
+    mdl = _Model()
+    M = [mdl.col(0.0, big, 1.0) for _ in range(m_max)]
+    # sizes spanning nodes (at most `slot_max` such groups fit) get explicit group slots, the
+    # intra-node sizes an aggregated count
+    gpn = cm.cluster.gpus_per_node
+    slots = {d: (n_gpus // d if d > gpn and n_gpus // d <= slot_max else 0) for d in sizes}
+    keys = [(d, s) for d in sizes for s in (range(slots[d]) if slots[d] else [-1])]
+    n, y, tau = {}, {}, {}
+    for j in range(m_max):
+        for d, s in keys:
+            n[j, d, s] = mdl.col(0.0, 1.0 if s >= 0 else float(n_gpus // d), integer=True)
+            for i in longs:
+                if tab.lens[i] <= cap[d] and tab.time[d][i] + tab.fixed[d] <= big:
+                    y[i, j, d, s] = mdl.col(0.0, 1.0, integer=True)
+            for k, mem in enumerate(buckets.members):
+                if int(tab.lens[mem[-1]]) <= cap[d]:
+                    tau[k, j, d, s] = mdl.col(0.0, float(tab.lens[mem].sum()))
+    rate = {(k, d): float(cm.seq_time_ms([lo], d)[0]) / lo
+            for k, lo in enumerate(buckets.lo) for d in sizes}
+    for i in longs:  # each long sequence exactly once
+        cols = [c for key, c in y.items() if key[0] == i]
+        mdl.row(1.0, 1.0, cols, [1.0] * len(cols))
+    for k, mem in enumerate(buckets.members):  # each bucket's tokens exactly once
+        cols = [c for key, c in tau.items() if key[0] == k]
+        total = float(tab.lens[mem].sum())
+        mdl.row(total, total, cols, [1.0] * len(cols))
+    f_min = min(tab.fixed.values())
+    m_min = max(1, math.ceil(int(tab.lens.sum()) / (cm.capacity_tokens * n_gpus)))
+    u = [mdl.col(1.0 if j < m_min else 0.0, 1.0, integer=True) for j in range(m_max)]
+    kk = range(len(buckets.members))
+    for j in range(m_max):
+        # micro-batch j is used (u_j) when it holds any tokens; a used one costs >= f_min + work/N
+        area_idx, area_val = [M[j], u[j]], [-float(n_gpus), float(n_gpus) * f_min]
+        tok_idx, tok_val = [u[j]], [-float(cm.capacity_tokens * n_gpus)]
+        for d, s in keys:
+            ly = [i for i in longs if (i, j, d, s) in y]
+            kt = [k for k in kk if (k, j, d, s) in tau]
+            yc = [y[i, j, d, s] for i in ly]
+            tc = [tau[k, j, d, s] for k in kt]
+            work = [float(tab.time[d][i]) for i in ly] + [rate[k, d] for k in kt]
+            toks = [float(tab.lens[i]) for i in ly] + [1.0] * len(kt)
+            area_idx += yc + tc
+            area_val += [d * w for w in work]
+            tok_idx += yc + tc
+            tok_val += toks
+            # tokens of the slot / class <= groups * d * capacity
+            mdl.row(-math.inf, 0.0, yc + tc + [n[j, d, s]], toks + [-float(cap[d])])
+            if s >= 0:  # one explicit group: its whole time fits in the micro-batch
+                mdl.row(-math.inf, 0.0, yc + tc + [n[j, d, s], M[j]], work + [tab.fixed[d], -1.0])
+                if s > 0:
+                    mdl.row(0.0, math.inf, [n[j, d, s - 1], n[j, d, s]], [1.0, -1.0])
+                continue
+            for i in ly:  # a long sequence's own time fits in the micro-batch
+                mdl.row(-math.inf, 0.0, [y[i, j, d, s], M[j]], [float(tab.time[d][i]) + tab.fixed[d], -1.0])
+            for share, mult in ((2, 1.0), (3, 2.0)):  # sequences that cannot share a group
+                heavy = [i for i in ly if tab.lens[i] * share > cap[d]]
+                if len(heavy) > 1:
+                    mdl.row(-math.inf, 0.0, [y[i, j, d, s] for i in heavy] + [n[j, d, s]],
+                            [1.0] * len(heavy) + [-mult])
+        mdl.row(-math.inf, 0.0, area_idx, area_val)
+        mdl.row(-math.inf, 0.0, tok_idx, tok_val)
+        mdl.row(-math.inf, float(n_gpus), [n[j, d, s] for d, s in keys], [float(d) for d, _ in keys])
+        if j + 1 < m_max:
+            mdl.row(0.0, math.inf, [M[j], M[j + 1]], [1.0, -1.0])
+
+    h = mdl.to_highs(threads=1, time_limit_s=time_limit_s, node_limit=node_limit, rel_gap=rel_gap,
+                     seed=seed)
+    if warm is not None and len(warm) <= m_max:
+        x = _warm_start(len(mdl.lb), warm, tab, M, u, n, y, tau, buckets, slots)
+        sol = highspy.HighsSolution()
+        sol.col_value = list(x)
+        sol.value_valid = True
+        h.setSolution(sol)
+    t0 = time.perf_counter()
+    h.run()
+    elapsed = time.perf_counter() - t0
+    info = h.getInfo()
+    status = h.modelStatusToString(h.getModelStatus())
+    x = np.array(h.getSolution().col_value) if info.primal_solution_status else None
+    dual = float(info.mip_dual_bound)
+    if x is None or len(x) != len(mdl.lb):
+        return MilpResult([], {}, {}, [], math.inf, dual, status, int(info.mip_node_count), elapsed)
+    counts = [{d: int(round(sum(x[n[j, dd, s]] for dd, s in keys if dd == d))) for d in sizes}
+              for j in range(m_max)]
+    long_at = {i: (j, d) for (i, j, d, s), c in y.items() if x[c] > 0.5}
+    tokens: dict[tuple[int, int, int], float] = {}
+    for (k, j, d, s), c in tau.items():
+        if x[c] > 1e-6:
+            tokens[k, j, d] = tokens.get((k, j, d), 0.0) + float(x[c])
+    return MilpResult(counts, long_at, tokens, [float(x[c]) for c in M],
+                      float(info.objective_function_value), dual, status,
+                      int(info.mip_node_count), elapsed)
+
+
+def _warm_start(ncols, layout, tab, M, u, n, y, tau, buckets, slots) -> np.ndarray:
+    """Column values of a real layout (micro-batches sorted by makespan, groups of a size by load)."""
+    x = np.zeros(ncols)
+    order = sorted(layout, key=lambda mb: -tab.mb_ms(mb))
+    bucket_of = {int(i): k for k, mem in enumerate(buckets.members) for i in mem}
+    for j, mb in enumerate(order):
+        x[M[j]] = tab.mb_ms(mb)
+        x[u[j]] = 1.0
+        for d in tab.sizes:
+            mine = [g for g in mb if g.size == d and g.seqs]
+            for pos, g in enumerate(mine):
+                s = pos if slots[d] else -1
+                x[n[j, d, s]] += 1.0
+                for i in g.seqs:
+                    if (i, j, d, s) in y:
+                        x[y[i, j, d, s]] = 1.0
+                    elif i in bucket_of and (bucket_of[i], j, d, s) in tau:
+                        x[tau[bucket_of[i], j, d, s]] += float(tab.lens[i])
+    return x
