@@ -95,6 +95,9 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400)
     step-time reduction is applied first. Each move strictly lowers the step time, so this terminates.
     Empty groups and micro-batches are removed.
     """
+    for mb in layout:
+        mb[:] = [g for g in mb if g.seqs]
+    layout[:] = [mb for mb in layout if mb]
     for _ in range(max_moves):
         spans = [tab.mb_ms(mb) for mb in layout]
         best = None  # (gain, item, from_group, from_mb, to_group)

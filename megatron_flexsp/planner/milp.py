@@ -51,7 +51,7 @@ class MilpResult:
     """Decoded MILP solution: per micro-batch group counts, long-sequence sizes, bucket tokens."""
 
     counts: list[dict[int, int]]          # counts[j][d] = number of groups of size d
-    long_at: dict[int, tuple[int, int]]   # sequence -> (micro-batch, size)
+    long_at: dict[int, tuple[int, int, int]]  # sequence -> (micro-batch, size, slot or -1)
     tokens: dict[tuple[int, int, int], float]  # (bucket, j, d) -> tokens
     makespans: list[float]
     objective_ms: float
@@ -126,6 +126,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     # intra-node sizes an aggregated count
     gpn = cm.cluster.gpus_per_node
     slots = {d: (n_gpus // d if d > gpn and n_gpus // d <= slot_max else 0) for d in sizes}
+    if sum(n_gpus // d for d in sizes) <= 2 * slot_max:  # tiny cluster: every group explicit
+        slots = {d: n_gpus // d for d in sizes}
     keys = [(d, s) for d in sizes for s in (range(slots[d]) if slots[d] else [-1])]
     n, y, tau = {}, {}, {}
     for j in range(m_max):
@@ -204,7 +206,7 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
         return MilpResult([], {}, {}, [], math.inf, dual, status, int(info.mip_node_count), elapsed)
     counts = [{d: int(round(sum(x[n[j, dd, s]] for dd, s in keys if dd == d))) for d in sizes}
               for j in range(m_max)]
-    long_at = {i: (j, d) for (i, j, d, s), c in y.items() if x[c] > 0.5}
+    long_at = {i: (j, d, s) for (i, j, d, s), c in y.items() if x[c] > 0.5}
     tokens: dict[tuple[int, int, int], float] = {}
     for (k, j, d, s), c in tau.items():
         if x[c] > 1e-6:

@@ -28,13 +28,23 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets) -> list[list[Group]]
     layout, level, deferred = [], [], []
     for j in used:
         groups: list[Group] = []
-        longs = sorted((i for i, (jj, _) in res.long_at.items() if jj == j),
+        longs = sorted((i for i, v in res.long_at.items() if v[0] == j),
                        key=lambda i: (-int(tab.lens[i]), i))
-        for d in sorted({res.long_at[i][1] for i in longs}, reverse=True):
-            mine = [i for i in longs if res.long_at[i][1] == d]
+        slot_group: dict[tuple[int, int], Group] = {}
+        for i in longs:  # explicit slots: exactly the MILP's groups
+            _, d, s = res.long_at[i]
+            if s >= 0:
+                if (d, s) not in slot_group:
+                    slot_group[d, s] = Group(d)
+                    groups.append(slot_group[d, s])
+                tab.add(slot_group[d, s], i)
+        for d in sorted({res.long_at[i][1] for i in longs if res.long_at[i][2] < 0}, reverse=True):
+            mine = [i for i in longs if res.long_at[i][1] == d and res.long_at[i][2] < 0]
             groups += [Group(d) for _ in range(max(1, min(res.counts[j][d], len(mine))))]
         for i in longs:
-            d = res.long_at[i][1]
+            _, d, s = res.long_at[i]
+            if s >= 0:
+                continue
             fit = ([g for g in groups if g.size == d and tab.fits(g, i)]
                    or [g for g in groups if tab.fits(g, i)])
             if not fit:  # the MILP's aggregate memory did not pack: place it with the others

@@ -1,0 +1,117 @@
+import copy
+import json
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.cost_model import CostModel, load_profile
+from megatron_flexsp.cost_model.profile import PROFILE_DIR, parse_profile
+from megatron_flexsp.model_spec import ModelSpec, get_model
+
+
+def _raw(name="a100-paper"):
+    return json.loads((PROFILE_DIR / f"{name}.json").read_text())
+
+
+def test_reference_mode_reproduces_paper_alltoall_shares():
+    cm = CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=64,
+                                max_seq_len=196608, reference_exact=True)
+    expected = {(4096, 8): 0.09, (4096, 16): 0.49, (65536, 8): 0.04, (65536, 16): 0.27,
+                (393216, 8): 0.01, (393216, 16): 0.08}
+    for (s, d), share in expected.items():
+        a = cm.alltoall_ms([s], d)[0]
+        c = cm.compute_ms([s], d)[0]
+        assert a / (a + c) == pytest.approx(share, abs=0.006), (s, d)
+    # reference formula: 4*2*L*H*s*2 bytes / d / bandwidth
+    s, d = 10000, 16
+    ref = 4 * 2 * 32 * 4096 * s * 2 / 2**20 / d / 10.33
+    assert cm.alltoall_ms([s], d)[0] == pytest.approx(ref, rel=1e-12)
+    assert cm.group_fixed_ms(16) == pytest.approx(629.3563)
+
+
+def test_paper_capacity_matches_reference_budget(paper_cm):
+    # (28 GiB - 7.117e9 * 16 B / 64) / 4.4804 MiB per token
+    expected = (28 * 1024 - 7.117e9 * 16 / 2**20 / 64) / 4.4804
+    assert paper_cm.capacity_tokens == pytest.approx(expected, abs=1.0)
+    assert paper_cm.min_group_size(196608) == 64  # 196608 / 6020 = 32.7 GPUs
+    assert paper_cm.min_group_size(32 * paper_cm.capacity_tokens) == 32
+    assert paper_cm.min_group_size(10**7) == 0
+
+
+def test_flexsp_mode_has_latency_and_d_minus_1_factor():
+    cm = CostModel.from_profile(load_profile("h200-estimate"), get_model("gpt-7b"), num_gpus=64,
+                                max_seq_len=131072)
+    assert cm.coeffs.source == "analytic"
+    assert cm.group_fixed_ms(16) > cm.group_fixed_ms(2) > cm.group_fixed_ms(1)
+    b2 = cm.alltoall_bytes([1000], 2)[0]
+    b4 = cm.alltoall_bytes([1000], 4)[0]
+    assert b2 / b4 == pytest.approx((1 / 2 * 1 / 2) / (1 / 4 * 3 / 4))
+    assert cm.alltoall_ms([1000], 1)[0] == 0.0
+    t = cm.seq_time_ms(np.array([100, 1000, 10000]), 8)
+    assert np.all(np.diff(t) > 0)
+
+
+def test_gqa_alltoall_and_kv_replication():
+    prof = load_profile("h200-estimate")
+    llama = get_model("llama3-8b")
+    cm = CostModel.from_profile(prof, llama, num_gpus=64, max_seq_len=8192)
+    assert max(cm.sizes) == 8  # capped at the KV-head count
+    cm_rep = CostModel.from_profile(prof, llama, num_gpus=64, max_seq_len=8192,
+                                    allow_kv_replication=True)
+    assert max(cm_rep.sizes) == 32
+    # GQA moves less than MHA: k, v are 8/32 as wide as q
+    assert cm.alltoall_bytes([1000], 8)[0] == pytest.approx(
+        2 * 32 * (2 * 4096 + 2 * 1024) * 2 * (1000 / 8) * 7 / 8)
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d.pop("gpus_per_node"), "missing key 'gpus_per_node'"),
+    (lambda d: d.__setitem__("version", 99), "unknown version 99"),
+    (lambda d: d["alltoall"]["intra_node"][0].__setitem__("bandwidth_mib_per_ms", -5.0),
+     "bandwidth_mib_per_ms=-5.0 must be > 0"),
+    (lambda d: d.__setitem__("format", "other"), "format='other'"),
+    (lambda d: d["alltoall"]["inter_node"][0].__setitem__("group_size", 4), "fits in one node"),
+    (lambda d: d.__setitem__("memory_reserve_bytes", 1e12), "leaves no memory"),
+])
+def test_profile_validation_errors(mutate, message):
+    data = copy.deepcopy(_raw())
+    mutate(data)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_profile(data, "bad")
+
+
+def test_unknown_profile_name_lists_shipped():
+    with pytest.raises(ValueError, match="a100-paper"):
+        load_profile("no-such-profile")
+
+
+def test_profile_for_another_model_is_refused():
+    prof = load_profile("a100-paper")
+    other = ModelSpec("gpt-7b", 24, 4096, 64)  # same name, other shape
+    with pytest.raises(ValueError, match="another model"):
+        CostModel.from_profile(prof, other, num_gpus=64, max_seq_len=196608)
+    with pytest.raises(ValueError, match="not for model 'llama3-8b'"):
+        CostModel.from_profile(prof, get_model("llama3-8b"), num_gpus=64, max_seq_len=8192,
+                               reference_exact=True)
+
+
+def test_gpus_per_node_mismatch_and_states_overflow():
+    prof = load_profile("a100-paper")
+    from megatron_flexsp.topology import ClusterSpec
+    from megatron_flexsp.cost_model.model import profile_coefficients
+
+    coeffs = profile_coefficients(get_model("gpt-7b"), prof, 196608)
+    with pytest.raises(ValueError, match="gpus_per_node=4"):
+        CostModel(profile=prof, model=get_model("gpt-7b"), coeffs=coeffs, cluster=ClusterSpec(64, 4))
+    with pytest.raises(ValueError, match="above the memory budget"):
+        CostModel.from_profile(prof, get_model("gpt-30b"), num_gpus=8, max_seq_len=196608)
+
+
+def test_analytic_coefficients_close_to_paper_constants():
+    from megatron_flexsp.cost_model.model import analytic_coefficients
+
+    prof = load_profile("a100-paper")
+    c = analytic_coefficients(get_model("gpt-7b"), prof, 196608)
+    assert c.a_attn_ms_per_token2 == pytest.approx(5.128e-6, rel=0.05)
+    assert c.a_lin_ms_per_token == pytest.approx(0.184, rel=0.35)
+    assert c.activation_bytes_per_token == pytest.approx(4.4804 * 2**20, rel=0.06)

@@ -1,0 +1,159 @@
+import functools
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.config import PlannerConfig
+from megatron_flexsp.plan import validate_plan
+from megatron_flexsp.planner import plan_step
+from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.sim import simulate
+from tests.unit.helpers import tiny_cost_model
+
+EXACT = PlannerConfig(long_fraction=1e-6, max_long=1000, max_extra_micro_batches=6)
+
+
+def _set_partitions(items):
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for part in _set_partitions(rest):
+        for k in range(len(part)):
+            yield part[:k] + [[first] + part[k]] + part[k + 1:]
+        yield [[first]] + part
+
+
+def brute_force_step_ms(lens, cm):
+    """Exact optimum over every micro-batch split, group layout and assignment (tiny inputs)."""
+    sizes = cm.sizes
+    layouts = [c for r in range(1, cm.cluster.num_gpus + 1)
+               for c in itertools.combinations_with_replacement(sizes, r)
+               if sum(c) <= cm.cluster.num_gpus]
+
+    @functools.lru_cache(maxsize=None)
+    def best_mb(block):
+        best = np.inf
+        for layout in layouts:
+            for assign in itertools.product(range(len(layout)), repeat=len(block)):
+                span = 0.0
+                ok = True
+                for g, d in enumerate(layout):
+                    mine = [lens[i] for i, a in zip(block, assign) if a == g]
+                    if not mine:
+                        continue
+                    if sum(mine) > cm.group_capacity_tokens(d):
+                        ok = False
+                        break
+                    span = max(span, cm.group_time_ms(mine, d))
+                if ok:
+                    best = min(best, span)
+        return best
+
+    return min(sum(best_mb(tuple(sorted(b))) for b in part)
+               for part in _set_partitions(list(range(len(lens)))))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_milp_matches_brute_force_on_small_instances(seed):
+    rng = np.random.default_rng(seed)
+    cm = tiny_cost_model()
+    lens = rng.integers(5, 240, size=int(rng.integers(2, 6)))
+    opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+    plan = plan_step(lens, cm, config=EXACT)
+    validate_plan(plan)
+    assert plan.lower_bound_ms <= opt * (1 + 1e-6)
+    assert plan.predicted_step_ms == pytest.approx(opt, rel=1e-6), plan.method
+
+
+def test_plans_are_deterministic(wiki_lengths, paper_cm):
+    b = np.minimum(np.random.default_rng(3).choice(wiki_lengths, 256), 196608)
+    first = plan_step(b, paper_cm)
+    second = plan_step(b, paper_cm)
+    assert first.micro_batches == second.micro_batches
+    assert first.predicted_step_ms == second.predicted_step_ms
+
+
+def test_flexsp_never_slower_than_baselines_and_bound_is_below(wiki_lengths, paper_cm):
+    rng = np.random.default_rng(11)
+    for _ in range(2):
+        b = np.minimum(rng.choice(wiki_lengths, 256), 196608)
+        plans = {s: plan_step(b, paper_cm, strategy=s, max_seq_len=196608)
+                 for s in ("static", "batchada", "megatron-dcp", "flexsp")}
+        for p in plans.values():
+            validate_plan(p)
+            sim = simulate(p, paper_cm)
+            assert sim.memory_ok
+            assert sim.step_ms == pytest.approx(p.predicted_step_ms, rel=1e-9)
+        f = plans["flexsp"]
+        assert f.predicted_step_ms <= plans["batchada"].predicted_step_ms * (1 + 1e-9)
+        assert f.predicted_step_ms <= plans["static"].predicted_step_ms * (1 + 1e-9)
+        for p in plans.values():
+            assert f.lower_bound_ms <= p.predicted_step_ms * (1 + 1e-9)
+        assert 0 <= f.gap < 1
+
+
+def test_over_length_policies():
+    cm = tiny_cost_model()
+    limit = cm.max_tokens  # 4 GPUs x 100 tokens
+    lens = [50, limit + 30, 20]
+    with pytest.raises(ValueError, match=f"sequence 1 has length {limit + 30}.*{limit} tokens"):
+        plan_step(lens, cm)
+    t = plan_step(lens, cm, config=PlannerConfig(over_length="truncate"))
+    assert t.tokens_truncated == 30 and t.seq_lens[1] == limit and t.dropped == ()
+    validate_plan(t)
+    d = plan_step(lens, cm, config=PlannerConfig(over_length="drop"))
+    assert d.dropped == (1,) and d.tokens_dropped == limit + 30
+    validate_plan(d)
+    assert sorted(i for mb in d.micro_batches for g in mb.groups for i in g.seqs) == [0, 2]
+
+
+@pytest.mark.parametrize("lens, message", [
+    ([], "empty"),
+    ([10, 0, 5], "sequence 1 has length 0"),
+])
+def test_bad_batches(lens, message):
+    with pytest.raises(ValueError, match=message):
+        plan_step(lens, tiny_cost_model())
+
+
+def test_unknown_strategy_and_bad_config():
+    with pytest.raises(ValueError, match="unknown strategy 'best'"):
+        plan_step([10], tiny_cost_model(), strategy="best")
+    with pytest.raises(ValueError, match="over_length='cut'"):
+        PlannerConfig(over_length="cut")
+    with pytest.raises(ValueError, match="unknown planner setting"):
+        PlannerConfig.from_dict({"buckets": 3})
+
+
+def _brute_buckets(x, k, a):
+    best = np.inf
+    n = len(x)
+    for cuts in itertools.combinations(range(1, n), k - 1):
+        edges = [0, *cuts, n]
+        cost = sum(a * sum((x[i] - x[lo]) * x[i] for i in range(lo, hi))
+                   for lo, hi in zip(edges[:-1], edges[1:]))
+        best = min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_bucketing_dp_is_optimal(seed):
+    rng = np.random.default_rng(seed)
+    lens = np.sort(rng.integers(1, 1000, size=9))
+    a_attn, a_lin = 1e-3, 0.1
+    for k in (1, 2, 3, 4):
+        b = make_buckets(lens, np.arange(len(lens)), num_buckets=k, a_attn=a_attn, a_lin=a_lin)
+        total = a_attn * float((lens.astype(float) ** 2).sum()) + a_lin * float(lens.sum())
+        assert b.error * total == pytest.approx(_brute_buckets(lens.astype(float), k, a_attn), rel=1e-9, abs=1e-9)
+        assert sorted(np.concatenate(b.members).tolist()) == list(range(len(lens)))
+
+
+def test_bucket_cuts_are_respected():
+    lens = np.array([10, 20, 30, 95, 100, 105, 110, 300])
+    b = make_buckets(lens, np.arange(8), num_buckets=2, a_attn=1e-3, a_lin=0.1, cuts=(100, 200))
+    for mem in b.members:
+        vals = lens[mem]
+        for c in (100, 200):
+            assert vals.max() <= c or vals.min() > c
