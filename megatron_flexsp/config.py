@@ -18,6 +18,8 @@ class PlannerConfig:
     max_extra_micro_batches: the MILP may use up to this many micro-batches beyond the memory minimum.
     node_limit: branch-and-bound node limit (deterministic); time_limit_s: safety net (seconds).
     rel_gap: relative MIP gap at which HiGHS stops.
+    slot_min_size: in the per-micro-batch refinement, group sizes of at least this many GPUs are
+        explicit groups (exact time per group); smaller sizes are aggregated counts.
     over_length: what to do with a sequence longer than the cluster holds: "error", "truncate", "drop".
     """
 
@@ -30,6 +32,7 @@ class PlannerConfig:
     rel_gap: float = 0.005
     over_length: str = "error"
     seed: int = 0
+    slot_min_size: int = 4
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:

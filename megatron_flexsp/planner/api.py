@@ -24,7 +24,7 @@ from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.layout import Tables, to_step_plan
-from megatron_flexsp.planner.milp import solve_step_milp
+from megatron_flexsp.planner.milp import MilpResult, solve_step_milp
 from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
 from megatron_flexsp.utils.logging import get_logger
 
@@ -159,19 +159,57 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
                           warm=inc if len(inc) <= m_max else None, time_limit_s=cfg.time_limit_s,
                           node_limit=cfg.node_limit, rel_gap=cfg.rel_gap, seed=cfg.seed)
+    refined = None
     if res.counts:
         layout = realize(res, tab, buckets)
         if layout is not None:
             candidates.insert(0, (tab.step_ms(layout), "milp", layout))
+        refined = refine_micro_batches(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6), cfg=cfg)
+        layout = realize(refined, tab, buckets)
+        if layout is not None:
+            candidates.insert(0, (tab.step_ms(layout), "milp-refined", layout))
     base, tail = lower_bounds(tab, m_max)
     bound = max(base, min(res.dual_bound_ms, tail)) if math.isfinite(res.dual_bound_ms) else base
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info = {"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": res.solve_time_s,
+            "refine_time_s": refined.solve_time_s if refined else 0.0,
+            "refine_status": refined.status if refined else "",
             "milp_objective_ms": res.objective_ms, "milp_dual_bound_ms": res.dual_bound_ms,
             "m_max": m_max, "num_long": len(longs), "num_buckets": len(buckets.members),
             "candidates_ms": {name: ms for ms, name, _ in candidates}}
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=bound,
                         info=info, bucketing_error=buckets.error)
+
+
+def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets, *, upper_ms: float,
+                         cfg: PlannerConfig) -> MilpResult:
+    """Phase B: re-solve each micro-batch of the step MILP alone with explicit groups for every size
+    of at least ``cfg.slot_min_size`` GPUs, keeping its long sequences and bucket token shares."""
+    out = MilpResult([], {}, {}, [], 0.0, 0.0, "", 0, 0.0)
+    statuses = []
+    used = sorted({j for j, _, _ in res.long_at.values()} | {j for _, j, _ in res.tokens})
+    for j in used:
+        mine = [i for i in longs if res.long_at.get(i, (-1,))[0] == j]
+        shares = [sum(v for (k, jj, _), v in res.tokens.items() if k == kk and jj == j)
+                  for kk in range(len(buckets.members))]
+        r = solve_step_milp(tab, mine, buckets, m_max=1, upper_ms=upper_ms, warm=None,
+                            time_limit_s=cfg.time_limit_s, node_limit=cfg.node_limit,
+                            rel_gap=cfg.rel_gap, seed=cfg.seed, slot_min_size=cfg.slot_min_size,
+                            bucket_tokens=shares, m_min=1)
+        if not r.counts:
+            return MilpResult([], {}, {}, [], math.inf, 0.0, r.status, out.nodes + r.nodes,
+                              out.solve_time_s + r.solve_time_s)
+        jj = len(out.counts)
+        out.counts.append(r.counts[0])
+        out.makespans.append(r.makespans[0])
+        out.long_at.update({i: (jj, d, s) for i, (_, d, s) in r.long_at.items()})
+        out.tokens.update({(k, jj, d): v for (k, _, d), v in r.tokens.items()})
+        out.objective_ms += r.objective_ms
+        out.nodes += r.nodes
+        out.solve_time_s += r.solve_time_s
+        statuses.append(r.status)
+    out.status = ",".join(sorted(set(statuses)))
+    return out
 
 
 def _remap(plan: StepPlan, kept: np.ndarray, fix: LengthFix, original: np.ndarray) -> StepPlan:

@@ -113,7 +113,8 @@ def _greedy_micro_batch(tab: Tables, items: list[int]) -> list[Group] | None:
 
 
 def greedy(tab: Tables, extra_micro_batches: int = 3) -> list[list[Group]] | None:
-    """FlexSP greedy: blaster by GPU-time, per-micro-batch grouping, LPT, local search; best m."""
+    """FlexSP greedy: blaster by GPU-time, per-micro-batch grouping, LPT; the best micro-batch count
+    is then improved by local search."""
     best, best_ms = None, math.inf
     m0 = min_micro_batches(tab)
     for m in range(m0, m0 + extra_micro_batches + 1):
@@ -129,10 +130,11 @@ def greedy(tab: Tables, extra_micro_batches: int = 3) -> list[list[Group]] | Non
             layout.append(mb)
         if layout is None:
             continue
-        improve_layout(layout, tab)
         ms = tab.step_ms(layout)
         if ms < best_ms - 1e-9:
             best, best_ms = layout, ms
+    if best is not None:
+        improve_layout(best, tab)
     return best
 
 

@@ -6,6 +6,8 @@ strategies build layouts with the same helpers, so the baselines get the same pa
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -15,14 +17,66 @@ from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.topology import place_groups
 
 
+_uid = itertools.count()
+
+
 @dataclass(eq=False)
 class Group:
-    """A group being filled: ``load_ms`` excludes the fixed per-group cost."""
+    """A group being filled: ``load_ms`` excludes the fixed per-group cost.
+
+    ``uid`` orders groups by creation and breaks ties deterministically.
+    """
 
     size: int
     seqs: list[int] = field(default_factory=list)
     load_ms: float = 0.0
     tokens: int = 0
+    uid: int = field(default_factory=lambda: next(_uid))
+
+
+class GroupIndex:
+    """Groups indexed by (micro-batch, size), least-loaded first (heaps with lazy invalidation).
+
+    Call :meth:`touch` after a group's load changes. ``best_fit`` returns the least-loaded group of a
+    (micro-batch, size) class with memory room for a sequence, in O(log n) amortised when memory is
+    not the binding constraint.
+    """
+
+    def __init__(self, tab: "Tables") -> None:
+        self.tab = tab
+        self.heaps: dict[tuple[int, int], list] = {}
+        self.version: dict[int, int] = {}
+        self.where: dict[int, int] = {}
+
+    def add(self, j: int, g: Group) -> None:
+        self.where[g.uid] = j
+        self.touch(g)
+
+    def touch(self, g: Group) -> None:
+        v = self.version.get(g.uid, 0) + 1
+        self.version[g.uid] = v
+        heapq.heappush(self.heaps.setdefault((self.where[g.uid], g.size), []), (g.load_ms, g.uid, v, g))
+
+    def classes(self):
+        return self.heaps.keys()
+
+    def best_fit(self, key: tuple[int, int], i: int, exclude: Group | None = None) -> Group | None:
+        heap = self.heaps.get(key)
+        if not heap:
+            return None
+        popped, found = [], None
+        while heap:
+            item = heapq.heappop(heap)
+            _, uid, v, g = item
+            if self.version.get(uid) != v:
+                continue  # stale entry
+            popped.append(item)
+            if g is not exclude and self.tab.fits(g, i):
+                found = g
+                break
+        for item in popped:
+            heapq.heappush(heap, item)
+        return found
 
 
 class Tables:
@@ -71,63 +125,74 @@ class Tables:
 def pack_lpt(items, groups: list[Group], tab: Tables) -> bool:
     """Place ``items`` longest-first, each on the group where it finishes earliest and fits in memory.
 
-    Ties go to the lower group index (deterministic). Returns False if some item fits nowhere
+    Ties go to the earlier-created group (deterministic). Returns False if some item fits nowhere
     (the groups are then partially filled).
     """
-    order = sorted(items, key=lambda i: (-int(tab.lens[i]), i))
-    for i in order:
-        best, best_t = None, np.inf
-        for g in groups:
-            if tab.fits(g, i):
-                t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
-                if t < best_t - 1e-12:
-                    best, best_t = g, t
+    index = GroupIndex(tab)
+    for g in groups:
+        index.add(0, g)
+    keys = sorted(index.classes())
+    for i in sorted(items, key=lambda i: (-int(tab.lens[i]), i)):
+        best, best_key = None, None
+        for key in keys:
+            g = index.best_fit(key, i)
+            if g is not None:
+                k = (tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i]), g.uid)
+                if best_key is None or k < best_key:
+                    best, best_key = g, k
         if best is None:
             return False
         tab.add(best, i)
+        index.touch(best)
     return True
 
 
 def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400) -> None:
     """Local search: move sequences off the slowest group of a micro-batch while the step time drops.
 
-    A sequence may move to any group of any micro-batch (memory permitting); the move with the largest
-    step-time reduction is applied first. Each move strictly lowers the step time, so this terminates.
-    Empty groups and micro-batches are removed.
+    A sequence may move to the least-loaded fitting group of any (micro-batch, size) class; the
+    move with the largest step-time reduction is applied first. Each move strictly lowers the step
+    time, so this terminates. Empty groups and micro-batches are removed.
     """
     for mb in layout:
         mb[:] = [g for g in mb if g.seqs]
     layout[:] = [mb for mb in layout if mb]
+    index = GroupIndex(tab)
+    for j, mb in enumerate(layout):
+        for g in mb:
+            index.add(j, g)
+    keys = sorted(index.classes())
+    spans = [tab.mb_ms(mb) for mb in layout]
     for _ in range(max_moves):
-        spans = [tab.mb_ms(mb) for mb in layout]
-        best = None  # (gain, item, from_group, from_mb, to_group)
+        best = None  # (gain, item, from_group, to_group, from_mb, to_mb)
         for a, mb in enumerate(layout):
+            if not mb:
+                continue
             slow = max(mb, key=lambda g: (tab.finish(g), -g.size))
             others_a = max((tab.finish(g) for g in mb if g is not slow), default=0.0)
             for i in sorted(slow.seqs, key=lambda i: -float(tab.time[slow.size][i])):
-                rest = tab.finish(slow) - float(tab.time[slow.size][i])
-                if len(slow.seqs) == 1:
-                    rest = 0.0
+                rest = tab.finish(slow) - float(tab.time[slow.size][i]) if len(slow.seqs) > 1 else 0.0
                 new_a = max(others_a, rest)
-                for b, mb_b in enumerate(layout):
-                    for g in mb_b:
-                        if g is slow or not tab.fits(g, i):
-                            continue
-                        t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
-                        if b == a:
-                            gain = spans[a] - max(new_a, t)
-                        else:
-                            gain = spans[a] - new_a - max(0.0, t - spans[b])
-                        if gain > 1e-9 and (best is None or gain > best[0] + 1e-12):
-                            best = (gain, i, slow, g)
+                for key in keys:
+                    g = index.best_fit(key, i, exclude=slow)
+                    if g is None:
+                        continue
+                    b = key[0]
+                    t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
+                    gain = spans[a] - max(new_a, t) if b == a else spans[a] - new_a - max(0.0, t - spans[b])
+                    if gain > 1e-9 and (best is None or gain > best[0] + 1e-12):
+                        best = (gain, i, slow, g, a, b)
         if best is None:
             break
-        _, i, src, dst = best
+        _, i, src, dst, a, b = best
         tab.remove(src, i)
         tab.add(dst, i)
-        for mb in layout:
-            mb[:] = [g for g in mb if g.seqs]
-        layout[:] = [mb for mb in layout if mb]
+        index.touch(src)
+        index.touch(dst)
+        spans[a], spans[b] = tab.mb_ms(layout[a]), tab.mb_ms(layout[b])
+    for mb in layout:
+        mb[:] = [g for g in mb if g.seqs]
+    layout[:] = [mb for mb in layout if mb]
 
 
 def to_step_plan(layout: list[list[Group]], tab: Tables, *, strategy: str, method: str,

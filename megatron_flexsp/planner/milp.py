@@ -108,12 +108,18 @@ class _Model:
 
 def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: int,
                     upper_ms: float, warm: list[list[Group]] | None, time_limit_s: float,
-                    node_limit: int, rel_gap: float, seed: int = 0, slot_max: int = 8) -> MilpResult:
+                    node_limit: int, rel_gap: float, seed: int = 0, slot_max: int = 8,
+                    slot_min_size: int = 0, bucket_tokens: list[float] | None = None,
+                    m_min: int | None = None) -> MilpResult:
     """Build and solve the step MILP for ``longs`` (individual) and ``buckets`` (fluid).
 
     ``upper_ms``: a known feasible step time (big-M for ``M_j``); ``warm``: a layout with at most
-    ``m_max`` micro-batches given to HiGHS as its first incumbent. Single-threaded; the node limit
-    makes the result deterministic, the time limit is a safety net.
+    ``m_max`` micro-batches given to HiGHS as its first incumbent. Sizes of at least
+    ``slot_min_size`` GPUs (default: just above a node) get explicit group slots, at most
+    ``slot_max`` per size and no more than the long sequences that fit them. ``bucket_tokens``
+    overrides each bucket's token total (to solve one micro-batch's share); ``m_min`` the micro-batches
+    that must be used. Single-threaded; the node limit makes the result deterministic, the time limit
+    is a safety net.
     """
     cm = tab.cm
     n_gpus = cm.cluster.num_gpus
@@ -125,20 +131,31 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     # sizes spanning nodes (at most `slot_max` such groups fit) get explicit group slots, the
     # intra-node sizes an aggregated count
     gpn = cm.cluster.gpus_per_node
-    slots = {d: (n_gpus // d if d > gpn and n_gpus // d <= slot_max else 0) for d in sizes}
+    slot_min_size = slot_min_size or 2 * gpn
+    totals = ([float(t) for t in bucket_tokens] if bucket_tokens is not None
+              else [float(tab.lens[mem].sum()) for mem in buckets.members])
+    fit_order = {d: sorted((i for i in longs if tab.lens[i] <= cap[d]), key=lambda i: (-int(tab.lens[i]), i))
+                 for d in sizes}
+    feasible = {d: len(fit_order[d]) for d in sizes}
+    slots = {d: (min(n_gpus // d, feasible[d], slot_max) if d >= slot_min_size else 0) for d in sizes}
     if sum(n_gpus // d for d in sizes) <= 2 * slot_max:  # tiny cluster: every group explicit
         slots = {d: n_gpus // d for d in sizes}
-    keys = [(d, s) for d in sizes for s in (range(slots[d]) if slots[d] else [-1])]
+    keys = [(d, s) for d in sizes for s in range(slots[d])]
+    keys += [(d, -1) for d in sizes if slots[d] < n_gpus // d]
     n, y, tau = {}, {}, {}
     for j in range(m_max):
         for d, s in keys:
             n[j, d, s] = mdl.col(0.0, 1.0 if s >= 0 else float(n_gpus // d), integer=True)
-            for i in longs:
-                if tab.lens[i] <= cap[d] and tab.time[d][i] + tab.fixed[d] <= big:
+            for r, i in enumerate(fit_order[d]):
+                if s < 0 and slots[d]:
+                    continue  # long sequences of a slotted size go to explicit groups
+                if s > r:
+                    continue  # the r-th longest needs none of the later slots (symmetry)
+                if tab.time[d][i] + tab.fixed[d] <= big:
                     y[i, j, d, s] = mdl.col(0.0, 1.0, integer=True)
             for k, mem in enumerate(buckets.members):
                 if int(tab.lens[mem[-1]]) <= cap[d]:
-                    tau[k, j, d, s] = mdl.col(0.0, float(tab.lens[mem].sum()))
+                    tau[k, j, d, s] = mdl.col(0.0, totals[k])
     rate = {(k, d): float(cm.seq_time_ms([lo], d)[0]) / lo
             for k, lo in enumerate(buckets.lo) for d in sizes}
     for i in longs:  # each long sequence exactly once
@@ -146,10 +163,11 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
         mdl.row(1.0, 1.0, cols, [1.0] * len(cols))
     for k, mem in enumerate(buckets.members):  # each bucket's tokens exactly once
         cols = [c for key, c in tau.items() if key[0] == k]
-        total = float(tab.lens[mem].sum())
+        total = totals[k]
         mdl.row(total, total, cols, [1.0] * len(cols))
     f_min = min(tab.fixed.values())
-    m_min = max(1, math.ceil(int(tab.lens.sum()) / (cm.capacity_tokens * n_gpus)))
+    if m_min is None:
+        m_min = max(1, math.ceil(int(tab.lens.sum()) / (cm.capacity_tokens * n_gpus)))
     u = [mdl.col(1.0 if j < m_min else 0.0, 1.0, integer=True) for j in range(m_max)]
     kk = range(len(buckets.members))
     for j in range(m_max):
@@ -190,7 +208,7 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     h = mdl.to_highs(threads=1, time_limit_s=time_limit_s, node_limit=node_limit, rel_gap=rel_gap,
                      seed=seed)
     if warm is not None and len(warm) <= m_max:
-        x = _warm_start(len(mdl.lb), warm, tab, M, u, n, y, tau, buckets, slots)
+        x = _warm_start(len(mdl.lb), warm, tab, M, u, n, y, tau, buckets, slots, fit_order)
         sol = highspy.HighsSolution()
         sol.col_value = list(x)
         sol.value_valid = True
@@ -216,7 +234,7 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
                       int(info.mip_node_count), elapsed)
 
 
-def _warm_start(ncols, layout, tab, M, u, n, y, tau, buckets, slots) -> np.ndarray:
+def _warm_start(ncols, layout, tab, M, u, n, y, tau, buckets, slots, fit_order) -> np.ndarray:
     """Column values of a real layout (micro-batches sorted by makespan, groups of a size by load)."""
     x = np.zeros(ncols)
     order = sorted(layout, key=lambda mb: -tab.mb_ms(mb))
@@ -225,9 +243,12 @@ def _warm_start(ncols, layout, tab, M, u, n, y, tau, buckets, slots) -> np.ndarr
         x[M[j]] = tab.mb_ms(mb)
         x[u[j]] = 1.0
         for d in tab.sizes:
-            mine = [g for g in mb if g.size == d and g.seqs]
+            rank = {i: r for r, i in enumerate(fit_order[d])}
+            mine = sorted((g for g in mb if g.size == d and g.seqs),
+                          key=lambda g: (min((rank[i] for i in g.seqs if i in rank), default=1 << 30),
+                                         -g.load_ms))
             for pos, g in enumerate(mine):
-                s = pos if slots[d] else -1
+                s = pos if pos < slots[d] else -1
                 x[n[j, d, s]] += 1.0
                 for i in g.seqs:
                     if (i, j, d, s) in y:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from megatron_flexsp.planner.bucketing import Buckets
-from megatron_flexsp.planner.layout import Group, Tables, improve_layout
+from megatron_flexsp.planner.layout import Group, GroupIndex, Tables, improve_layout
 from megatron_flexsp.planner.milp import MilpResult
 
 
@@ -68,17 +68,24 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets) -> list[list[Group]]
         quota[k, used.index(j)] = quota.get((k, used.index(j)), 0.0) + v
     bucket_of = {int(i): k for k, mem in enumerate(buckets.members) for i in mem}
     bucket_of.update({int(i): -1 for i in deferred})
+    index = GroupIndex(tab)
+    for j, mb in enumerate(layout):
+        for g in mb:
+            index.add(j, g)
     for i in sorted(bucket_of, key=lambda i: (-int(tab.lens[i]), i)):
         k, s = bucket_of[i], int(tab.lens[i])
-        best = _best_group(layout, level, tab, i, lambda j: quota.get((k, j), 0.0) >= 0.5 * s)
+        best = _best_group(index, level, tab, i, lambda j: quota.get((k, j), 0.0) >= 0.5 * s)
         if best is None:
-            best = _best_group(layout, level, tab, i, lambda j: True)
+            best = _best_group(index, level, tab, i, lambda j: True)
         if best is None:  # memory is fragmented: open one more micro-batch
             layout.append(_fresh_micro_batch(tab, int(tab.min_size[i])))
             level.append(0.0)
-            best = _best_group(layout, level, tab, i, lambda j: j == len(layout) - 1)
+            for g in layout[-1]:
+                index.add(len(layout) - 1, g)
+            best = _best_group(index, level, tab, i, lambda j: j == len(layout) - 1)
         j, g = best
         tab.add(g, i)
+        index.touch(g)
         level[j] = max(level[j], tab.finish(g))
         if (k, j) in quota:
             quota[k, j] -= s
@@ -94,17 +101,19 @@ def _fresh_micro_batch(tab: Tables, d: int) -> list[Group]:
     return [Group(d)] + [Group(small) for _ in range((tab.cm.cluster.num_gpus - d) // small)]
 
 
-def _best_group(layout, level, tab: Tables, i: int, allowed):
+def _best_group(index: GroupIndex, level, tab: Tables, i: int, allowed):
     """(micro-batch, group) where sequence i raises its micro-batch's time least; ties -> earliest finish."""
     best, key = None, None
-    for j, mb in enumerate(layout):
-        for g in mb:
-            if not allowed(j) or not tab.fits(g, i):
-                continue
-            t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
-            k = (max(0.0, t - level[j]), t, g.size)
-            if key is None or k < key:
-                best, key = (j, g), k
+    for j, d in sorted(index.classes()):
+        if not allowed(j):
+            continue
+        g = index.best_fit((j, d), i)
+        if g is None:
+            continue
+        t = tab.fixed[d] + g.load_ms + float(tab.time[d][i])
+        k = (max(0.0, t - level[j]), t, d, g.uid)
+        if key is None or k < key:
+            best, key = (j, g), k
     return best
 
 
