@@ -192,13 +192,15 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
                 if s > 0:
                     mdl.row(0.0, math.inf, [n[j, d, s - 1], n[j, d, s]], [1.0, -1.0])
                 continue
-            for i in ly:  # a long sequence's own time fits in the micro-batch
-                mdl.row(-math.inf, 0.0, [y[i, j, d, s], M[j]], [float(tab.time[d][i]) + tab.fixed[d], -1.0])
             for share, mult in ((2, 1.0), (3, 2.0)):  # sequences that cannot share a group
                 heavy = [i for i in ly if tab.lens[i] * share > cap[d]]
                 if len(heavy) > 1:
                     mdl.row(-math.inf, 0.0, [y[i, j, d, s] for i in heavy] + [n[j, d, s]],
                             [1.0] * len(heavy) + [-mult])
+        for i in longs:  # a long sequence's own time fits in its micro-batch, whatever its size
+            ks = [(d, s) for d, s in keys if (i, j, d, s) in y]
+            mdl.row(-math.inf, 0.0, [y[i, j, d, s] for d, s in ks] + [M[j]],
+                    [float(tab.time[d][i]) + tab.fixed[d] for d, _ in ks] + [-1.0])
         mdl.row(-math.inf, 0.0, area_idx, area_val)
         mdl.row(-math.inf, 0.0, tok_idx, tok_val)
         mdl.row(-math.inf, float(n_gpus), [n[j, d, s] for d, s in keys], [float(d) for d, _ in keys])
