@@ -143,36 +143,41 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
     if not candidates:
         raise ValueError("no memory-feasible plan exists for this batch")
-    inc_ms, _, inc = min(candidates, key=lambda c: c[0])
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / n
     m_min = H.min_micro_batches(tab)
-    m_max = m_min
-    while (m_max + 1) * f_min + area < inc_ms and m_max < m_min + cfg.max_extra_micro_batches:
-        m_max += 1
-    m_max = max(m_max, min(len(inc), m_min + cfg.max_extra_micro_batches))
     longs, rest = select_long(tab, fraction=cfg.long_fraction, max_long=cfg.max_long)
     cm = tab.cm
     buckets = make_buckets(tab.lens, rest, num_buckets=cfg.num_buckets,
                            a_attn=cm.coeffs.a_attn_ms_per_token2, a_lin=cm.coeffs.a_lin_ms_per_token,
                            cuts=bucket_cuts(tab))
-    res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
-                          warm=inc if len(inc) <= m_max else None, time_limit_s=cfg.time_limit_s,
-                          node_limit=cfg.node_limit, rel_gap=cfg.rel_gap, seed=cfg.seed)
-    refined = None
-    if res.counts:
-        layout = realize(res, tab, buckets)
-        if layout is not None:
-            candidates.insert(0, (tab.step_ms(layout), "milp", layout))
-        refined = refine_micro_batches(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6), cfg=cfg)
-        layout = realize(refined, tab, buckets)
-        if layout is not None:
-            candidates.insert(0, (tab.step_ms(layout), "milp-refined", layout))
+    # Iterative deepening over the micro-batch count: solve with at most m_max micro-batches, and
+    # allow one more only while plans with more could still beat the best plan found.
+    m_max, milp_time, refine_time, refined = m_min, 0.0, 0.0, None
+    while True:
+        inc_ms, _, inc = min(candidates, key=lambda c: c[0])
+        res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
+                              warm=inc if len(inc) <= m_max else None, time_limit_s=cfg.time_limit_s,
+                              node_limit=cfg.node_limit, rel_gap=cfg.rel_gap, seed=cfg.seed)
+        milp_time += res.solve_time_s
+        if res.counts:
+            refined = refine_micro_batches(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6),
+                                           cfg=cfg)
+            refine_time += refined.solve_time_s
+            for name, sol in (("milp", res), ("milp-refined", refined)):
+                for use_quota in (True, False):
+                    layout = realize(sol, tab, buckets, use_quota=use_quota) if sol.counts else None
+                    if layout is not None:
+                        candidates.insert(0, (tab.step_ms(layout), name, layout))
+        best_ms = min(c[0] for c in candidates)
+        if (m_max + 1) * f_min + area >= best_ms or m_max >= m_min + cfg.max_extra_micro_batches:
+            break
+        m_max += 1
     base, tail = lower_bounds(tab, m_max)
     bound = max(base, min(res.dual_bound_ms, tail)) if math.isfinite(res.dual_bound_ms) else base
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
-    info = {"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": res.solve_time_s,
-            "refine_time_s": refined.solve_time_s if refined else 0.0,
+    info = {"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": milp_time,
+            "refine_time_s": refine_time,
             "refine_status": refined.status if refined else "",
             "milp_objective_ms": res.objective_ms, "milp_dual_bound_ms": res.dual_bound_ms,
             "m_max": m_max, "num_long": len(longs), "num_buckets": len(buckets.members),
@@ -195,7 +200,7 @@ def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets
         r = solve_step_milp(tab, mine, buckets, m_max=1, upper_ms=upper_ms, warm=None,
                             time_limit_s=cfg.time_limit_s, node_limit=cfg.node_limit,
                             rel_gap=cfg.rel_gap, seed=cfg.seed, slot_min_size=cfg.slot_min_size,
-                            bucket_tokens=shares, m_min=1)
+                            bucket_tokens=shares, m_min=1, restrict_to_slots=True)
         if not r.counts:
             return MilpResult([], {}, {}, [], math.inf, 0.0, r.status, out.nodes + r.nodes,
                               out.solve_time_s + r.solve_time_s)

@@ -110,7 +110,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
                     upper_ms: float, warm: list[list[Group]] | None, time_limit_s: float,
                     node_limit: int, rel_gap: float, seed: int = 0, slot_max: int = 8,
                     slot_min_size: int = 0, bucket_tokens: list[float] | None = None,
-                    m_min: int | None = None) -> MilpResult:
+                    m_min: int | None = None, bucket_indicators: bool = True,
+                    restrict_to_slots: bool = False) -> MilpResult:
     """Build and solve the step MILP for ``longs`` (individual) and ``buckets`` (fluid).
 
     ``upper_ms``: a known feasible step time (big-M for ``M_j``); ``warm``: a layout with at most
@@ -118,7 +119,9 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     ``slot_min_size`` GPUs (default: just above a node) get explicit group slots, at most
     ``slot_max`` per size and no more than the long sequences that fit them. ``bucket_tokens``
     overrides each bucket's token total (to solve one micro-batch's share); ``m_min`` the micro-batches
-    that must be used. Single-threaded; the node limit makes the result deterministic, the time limit
+    that must be used. ``restrict_to_slots`` keeps long sequences of a slotted size out of its
+    aggregated class even when the slots cannot cover every group (a restriction, not a relaxation:
+    use it only when the dual bound is not needed). Single-threaded; the node limit makes the result deterministic, the time limit
     is a safety net.
     """
     cm = tab.cm
@@ -147,8 +150,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
         for d, s in keys:
             n[j, d, s] = mdl.col(0.0, 1.0 if s >= 0 else float(n_gpus // d), integer=True)
             for r, i in enumerate(fit_order[d]):
-                if s < 0 and slots[d]:
-                    continue  # long sequences of a slotted size go to explicit groups
+                if s < 0 and slots[d] and (restrict_to_slots or slots[d] >= min(n_gpus // d, feasible[d])):
+                    continue  # long sequences of this size only in explicit slots
                 if s > r:
                     continue  # the r-th longest needs none of the later slots (symmetry)
                 if tab.time[d][i] + tab.fixed[d] <= big:
@@ -158,6 +161,18 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
                     tau[k, j, d, s] = mdl.col(0.0, totals[k])
     rate = {(k, d): float(cm.seq_time_ms([lo], d)[0]) / lo
             for k, lo in enumerate(buckets.lo) for d in sizes}
+    # a bucket's tokens may run in (j, d) only if M_j covers its shortest sequence there (w binary)
+    w_of: dict[tuple[int, int, int], int] = {}
+    for j in range(m_max if bucket_indicators else 0):
+        for d in sizes:
+            for k in range(len(buckets.members)):
+                cols = [tau[k, j, d, s] for dd, s in keys if dd == d and (k, j, d, s) in tau]
+                if not cols:
+                    continue
+                w = w_of[k, j, d] = mdl.col(0.0, 1.0, integer=True)
+                mdl.row(-math.inf, 0.0, cols + [w], [1.0] * len(cols) + [-totals[k]])
+                lo = buckets.lo[k]
+                mdl.row(-math.inf, 0.0, [w, M[j]], [tab.fixed[d] + float(cm.seq_time_ms([lo], d)[0]), -1.0])
     for i in longs:  # each long sequence exactly once
         cols = [c for key, c in y.items() if key[0] == i]
         mdl.row(1.0, 1.0, cols, [1.0] * len(cols))
@@ -211,6 +226,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
                      seed=seed)
     if warm is not None and len(warm) <= m_max:
         x = _warm_start(len(mdl.lb), warm, tab, M, u, n, y, tau, buckets, slots, fit_order)
+        for (k, j, d), c in w_of.items():
+            x[c] = float(any(x[tau[key]] > 0 for key in tau if key[:3] == (k, j, d)))
         sol = highspy.HighsSolution()
         sol.col_value = list(x)
         sol.value_valid = True

@@ -15,8 +15,12 @@ from megatron_flexsp.planner.layout import Group, GroupIndex, Tables, improve_la
 from megatron_flexsp.planner.milp import MilpResult
 
 
-def realize(res: MilpResult, tab: Tables, buckets: Buckets) -> list[list[Group]] | None:
+def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool = True
+            ) -> list[list[Group]] | None:
     """Real layout of ``res``; None if some sequence fits in no group (memory).
+
+    ``use_quota``: place bucketed sequences preferably in the micro-batches the MILP gave their
+    bucket's tokens to; without it, purely where they raise the step time least.
 
     Per micro-batch: groups of the sizes the MILP gave its long sequences (at most as many as it
     counted, at least one), groups of the other sizes it gave bucket tokens to, the remaining GPUs
@@ -38,9 +42,13 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets) -> list[list[Group]]
                     slot_group[d, s] = Group(d)
                     groups.append(slot_group[d, s])
                 tab.add(slot_group[d, s], i)
+        free = n_gpus - sum(g.size for g in groups)
         for d in sorted({res.long_at[i][1] for i in longs if res.long_at[i][2] < 0}, reverse=True):
             mine = [i for i in longs if res.long_at[i][1] == d and res.long_at[i][2] < 0]
-            groups += [Group(d) for _ in range(max(1, min(res.counts[j][d], len(mine))))]
+            have = sum(1 for g in groups if g.size == d)
+            want = min(max(1, res.counts[j][d] - have), len(mine), free // d)
+            groups += [Group(d) for _ in range(want)]
+            free -= d * want
         for i in longs:
             _, d, s = res.long_at[i]
             if s >= 0:
@@ -56,9 +64,9 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets) -> list[list[Group]]
         for d in sorted(tab.sizes, reverse=True):
             if d == 1 or not any(k[1] == j and k[2] == d for k in res.tokens):
                 continue
-            extra = min(res.counts[j][d] - sum(1 for g in groups if g.size == d), free // d)
-            groups += [Group(d) for _ in range(max(0, extra))]
-            free -= d * max(0, extra)
+            extra = max(0, min(res.counts[j][d] - sum(1 for g in groups if g.size == d), free // d))
+            groups += [Group(d) for _ in range(extra)]
+            free -= d * extra
         small = tab.sizes[0]
         groups += [Group(small) for _ in range(free // small)]
         layout.append(groups)
@@ -74,7 +82,9 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets) -> list[list[Group]]
             index.add(j, g)
     for i in sorted(bucket_of, key=lambda i: (-int(tab.lens[i]), i)):
         k, s = bucket_of[i], int(tab.lens[i])
-        best = _best_group(index, level, tab, i, lambda j: quota.get((k, j), 0.0) >= 0.5 * s)
+        best = None
+        if use_quota:
+            best = _best_group(index, level, tab, i, lambda j: quota.get((k, j), 0.0) >= 0.5 * s)
         if best is None:
             best = _best_group(index, level, tab, i, lambda j: True)
         if best is None:  # memory is fragmented: open one more micro-batch
