@@ -165,10 +165,9 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
                                            cfg=cfg)
             refine_time += refined.solve_time_s
             for name, sol in (("milp", res), ("milp-refined", refined)):
-                for use_quota in (True, False):
-                    layout = realize(sol, tab, buckets, use_quota=use_quota) if sol.counts else None
-                    if layout is not None:
-                        candidates.insert(0, (tab.step_ms(layout), name, layout))
+                for use_quota in (True, False) if sol.counts else ():
+                    layout = realize(sol, tab, buckets, use_quota=use_quota)
+                    candidates.insert(0, (tab.step_ms(layout), name, layout))
         best_ms = min(c[0] for c in candidates)
         if (m_max + 1) * f_min + area >= best_ms or m_max >= m_min + cfg.max_extra_micro_batches:
             break

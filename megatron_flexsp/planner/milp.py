@@ -1,21 +1,28 @@
-"""The step MILP, solved with HiGHS: group counts per size, not interchangeable slots.
+"""The step MILP, solved with HiGHS (single thread, node limit for determinism).
 
 Variables, for micro-batch ``j`` (at most ``m_max``) and allowed group size ``d``:
 
-* ``M_j``: makespan of micro-batch j (objective: minimise ``sum_j M_j``, i.e. the step time);
-* ``n_jd``: number of groups of size d, as binary digits ``z_jdb`` (``n = sum_b 2^b z_jdb``) so that
-  the capacity ``n_jd * M_j`` is linear through ``P_jdb = z_jdb * M_j`` (exact, since z is binary);
-* ``y_ijd``: long sequence i runs in micro-batch j on a group of size d (binary);
-* ``tau_kjd``: tokens of length bucket k run in (j, d) (continuous, fluid).
+* ``M_j``: makespan of micro-batch j; objective ``min sum_j M_j`` (the step time); ``u_j``: j is used;
+* groups: sizes of at least ``slot_min_size`` GPUs get explicit *slots* ``(d, s)`` (binary "slot
+  used", at most ``slot_max`` per size and never more than the long sequences that fit that size,
+  ordered so that the r-th longest sequence only uses slots 0..r: no interchangeable copies); the
+  other sizes an integer *count* ``n_jd``;
+* ``y_ijds``: long sequence i runs in micro-batch j on slot / class (d, s) (binary);
+* ``tau_kjds``: tokens of length bucket k run there (continuous, fluid), with a binary ``w_kjd``
+  that lets them in only if ``M_j`` covers the bucket's shortest sequence on size d.
 
-Constraints: every long sequence once, every bucket's tokens once; ``sum_d d n_jd <= N``; per (j, d)
-the work (sequence times + fixed cost per group) fits in ``n_jd * M_j`` and the tokens in
-``n_jd * d * capacity``; a long sequence's own time fits in ``M_j``; sequences longer than half (a
-third) of a group's memory cannot share it with another (two others); ``M_j >= M_{j+1}``.
-Short sequences are priced at their bucket's cheapest rate, so the model is a relaxation of the real
-problem and HiGHS's dual bound is a valid lower bound on any plan with at most ``m_max``
-micro-batches. There are no interchangeable slots, so HiGHS closes the gap instead of enumerating
-symmetric copies.
+Constraints: every long sequence once, every bucket's tokens once; GPUs per micro-batch <= N;
+tokens per slot / class <= groups x d x capacity; a slot's whole time (fixed cost + sequences) <= M_j;
+a long sequence's own time <= M_j; sequences longer than half (a third) of a group's memory cannot
+share it with another (two others); GPU-time: ``N (M_j - f_min u_j) >= sum of d x work`` (every group
+of a used micro-batch pays at least the smallest fixed cost); memory per micro-batch; ``M_j >= M_j+1``.
+
+Validity: short sequences are priced at their bucket's cheapest rate and are fluid, aggregated
+classes only see GPU-time and memory, so (unless ``restrict_to_slots``) every real plan with at most
+``m_max`` micro-batches maps to a feasible point: HiGHS's dual bound is a valid lower bound. The
+products ``n_jd * M_j`` of an exact per-class time constraint are deliberately absent (their
+McCormick relaxation gave bounds at 30-50% of the optimum); the slots make the per-group time exact
+where it matters most, the large groups.
 """
 
 from __future__ import annotations
@@ -121,8 +128,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     overrides each bucket's token total (to solve one micro-batch's share); ``m_min`` the micro-batches
     that must be used. ``restrict_to_slots`` keeps long sequences of a slotted size out of its
     aggregated class even when the slots cannot cover every group (a restriction, not a relaxation:
-    use it only when the dual bound is not needed). Single-threaded; the node limit makes the result deterministic, the time limit
-    is a safety net.
+    use it only when the dual bound is not needed). Single-threaded; the node limit makes the result
+    deterministic, the time limit is a safety net (a run that hits it may differ between machines).
     """
     cm = tab.cm
     n_gpus = cm.cluster.num_gpus

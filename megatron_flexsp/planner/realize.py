@@ -1,9 +1,9 @@
 """Turn a MILP solution (group counts, long-sequence sizes, bucket token amounts) into real groups.
 
-Deterministic: long sequences go longest-first to the least-loaded group of the size the MILP chose;
-then every bucketed sequence, longest first, goes where it raises the step time least, preferring the
-(micro-batch, size) classes the MILP gave its bucket tokens to; finally a local search moves
-sequences off each micro-batch's slowest group.
+Deterministic: long sequences in explicit slots go exactly where the MILP put them, the others
+longest-first to the least-loaded group of the size the MILP chose; then every bucketed sequence,
+longest first, goes where it raises the step time least (optionally preferring the micro-batches the
+MILP gave its bucket's tokens to); finally a local search moves sequences off slow groups.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from megatron_flexsp.planner.milp import MilpResult
 
 
 def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool = True
-            ) -> list[list[Group]] | None:
-    """Real layout of ``res``; None if some sequence fits in no group (memory).
+            ) -> list[list[Group]]:
+    """Real layout of ``res``. Never fails: a sequence that fits in no group opens a micro-batch.
 
     ``use_quota``: place bucketed sequences preferably in the micro-batches the MILP gave their
     bucket's tokens to; without it, purely where they raise the step time least.
