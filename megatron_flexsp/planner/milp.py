@@ -246,6 +246,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     status = h.modelStatusToString(h.getModelStatus())
     x = np.array(h.getSolution().col_value) if info.primal_solution_status else None
     dual = float(info.mip_dual_bound)
+    if status == "Infeasible":  # no plan with at most m_max micro-batches is faster than upper_ms
+        dual = big
     if x is None or len(x) != len(mdl.lb):
         return MilpResult([], {}, {}, [], math.inf, dual, status, int(info.mip_node_count), elapsed)
     counts = [{d: int(round(sum(x[n[j, dd, s]] for dd, s in keys if dd == d))) for d in sizes}
