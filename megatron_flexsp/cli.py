@@ -25,6 +25,13 @@ from megatron_flexsp.sim import simulate
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches
 
 
+def _out(text: str = "", *, err: bool = False) -> None:
+    """The CLI's user-facing output (tables to stdout, progress and errors to stderr)."""
+    stream = sys.stderr if err else sys.stdout
+    stream.write(text + "\n")
+    stream.flush()
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lengths", required=True, help="file with one sequence length per line")
     p.add_argument("--global-batch", type=int, required=True, help="sequences per global batch")
@@ -88,40 +95,40 @@ def _groups_text(plan: StepPlan) -> str:
 
 def _progress(k: int, total: int, started: float) -> None:
     if total > 1:
-        print(f"  planned {k}/{total} batches ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+        _out(f"  planned {k}/{total} batches ({time.perf_counter() - started:.1f} s)", err=True)
 
 
 def cmd_plan(args) -> int:
     cm, batches, cfg, cut = _setup(args)
     plans = []
-    print(f"{'batch':>5} {'tokens':>8} {'max':>7} {'step ms':>9} {'gap':>7} {'solve s':>8}  method / groups")
+    _out(f"{'batch':>5} {'tokens':>8} {'max':>7} {'step ms':>9} {'gap':>7} {'solve s':>8}  method / groups")
     started = time.perf_counter()
     for k, b in enumerate(batches):
         plan = plan_step(b, cm, strategy=args.strategy, config=cfg, max_seq_len=args.max_seq_len)
         validate_plan(plan)
         plans.append(plan)
         gap = f"{plan.gap:.2%}" if plan.lower_bound_ms > 0 else "-"
-        print(f"{k:>5} {int(b.sum()):>8} {int(b.max()):>7} {plan.predicted_step_ms:>9.1f} {gap:>7} "
+        _out(f"{k:>5} {int(b.sum()):>8} {int(b.max()):>7} {plan.predicted_step_ms:>9.1f} {gap:>7} "
               f"{plan.solve_time_s:>8.2f}  {plan.method}: {_groups_text(plan)}")
         _progress(k + 1, len(batches), started)
     if cut:
-        print(f"data loader truncated {cut} tokens at --max-seq-len={args.max_seq_len}")
+        _out(f"data loader truncated {cut} tokens at --max-seq-len={args.max_seq_len}")
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"cost_model": cm.describe(), "plans": [p.to_dict() for p in plans]}, fh)
-        print(f"wrote {len(plans)} plan(s) to {args.json_out}")
+        _out(f"wrote {len(plans)} plan(s) to {args.json_out}")
     if args.plot:
         from megatron_flexsp.viz import plot_plan
 
         plot_plan(plans[0], cm, args.plot)
-        print(f"wrote {args.plot}")
+        _out(f"wrote {args.plot}")
     return 0
 
 
 def cmd_simulate(args) -> int:
     cm, batches, cfg, _ = _setup(args)
     rows = []
-    print(f"{'batch':>5} " + " ".join(f"{s:>13}" for s in STRATEGIES) + f" {'vs static':>9} {'vs batchada':>11}")
+    _out(f"{'batch':>5} " + " ".join(f"{s:>13}" for s in STRATEGIES) + f" {'vs static':>9} {'vs batchada':>11}")
     started = time.perf_counter()
     for k, b in enumerate(batches):
         row = {}
@@ -134,16 +141,16 @@ def cmd_simulate(args) -> int:
                       "micro_batches": res.num_micro_batches, "solve_time_s": plan.solve_time_s}
         rows.append(row)
         f = row["flexsp"]["step_ms"]
-        print(f"{k:>5} " + " ".join(f"{row[s]['step_ms']:>13.1f}" for s in STRATEGIES)
+        _out(f"{k:>5} " + " ".join(f"{row[s]['step_ms']:>13.1f}" for s in STRATEGIES)
               + f" {row['static']['step_ms'] / f:>8.2f}x {row['batchada']['step_ms'] / f:>10.2f}x")
         _progress(k + 1, len(batches), started)
     tot = {s: sum(r[s]["step_ms"] for r in rows) for s in STRATEGIES}
-    print("total " + " ".join(f"{tot[s]:>13.1f}" for s in STRATEGIES)
+    _out("total " + " ".join(f"{tot[s]:>13.1f}" for s in STRATEGIES)
           + f" {tot['static'] / tot['flexsp']:>8.2f}x {tot['batchada'] / tot['flexsp']:>10.2f}x")
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump({"cost_model": cm.describe(), "batches": rows, "total_ms": tot}, fh, indent=1)
-        print(f"wrote {args.json_out}")
+        _out(f"wrote {args.json_out}")
     return 0
 
 
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"plan": cmd_plan, "simulate": cmd_simulate}[args.command](args)
     except ValueError as exc:
-        print(f"flexsp: error: {exc}", file=sys.stderr)
+        _out(f"flexsp: error: {exc}", err=True)
         return 2
 
 

@@ -24,7 +24,7 @@ def homogeneous(tab: Tables, d: int, m: int, items=None) -> list[list[Group]] | 
     items = range(len(tab.lens)) if items is None else items
     n = tab.cm.cluster.num_gpus
     layout = [[Group(d) for _ in range(n // d)] for _ in range(m)]
-    if not pack_lpt(items, [g for mb in layout for g in mb], tab):
+    if pack_lpt(items, [g for mb in layout for g in mb], tab):
         return None
     return layout
 
@@ -74,9 +74,12 @@ def _blast(tab: Tables, m: int) -> list[list[int]] | None:
     return out
 
 
-def _greedy_micro_batch(tab: Tables, items: list[int]) -> list[Group] | None:
+def _greedy_micro_batch(tab: Tables, items: list[int]) -> tuple[list[Group], list[int]]:
     """Groups for one micro-batch: long sequences get the smallest size meeting a time target; the
-    rest of the GPUs become size-1 groups; then everything is packed longest-first."""
+    rest of the GPUs become size-1 groups; then everything is packed longest-first.
+
+    Returns the groups and the sequences that did not fit (memory or GPUs), for a later micro-batch.
+    """
     n = tab.cm.cluster.num_gpus
     f_min = min(tab.fixed.values())
     area = sum(tab.min_size[i] * tab.time[int(tab.min_size[i])][i] for i in items)
@@ -84,6 +87,7 @@ def _greedy_micro_batch(tab: Tables, items: list[int]) -> list[Group] | None:
                for i in items]
     target = max([area / n + f_min] + fastest)
     groups: list[Group] = []
+    left: list[int] = []
     free = n
     longs = sorted((i for i in items if tab.min_size[i] > 1), key=lambda i: (-tab.lens[i], i))
     for i in longs:
@@ -102,14 +106,13 @@ def _greedy_micro_batch(tab: Tables, items: list[int]) -> list[Group] | None:
             continue
         fits = [g for g in groups if tab.fits(g, i)]
         if not fits:
-            return None
+            left.append(i)
+            continue
         g = min(fits, key=lambda g: (tab.finish(g) + tab.time[g.size][i], g.size))
         tab.add(g, i)
     groups += [Group(1) for _ in range(free)] if 1 in tab.sizes else []
-    shorts = [i for i in items if tab.min_size[i] <= 1]
-    if not pack_lpt(shorts, groups, tab):
-        return None
-    return [g for g in groups if g.seqs]
+    left += pack_lpt([i for i in items if tab.min_size[i] <= 1], groups, tab)
+    return [g for g in groups if g.seqs], left
 
 
 def greedy(tab: Tables, extra_micro_batches: int = 3) -> list[list[Group]] | None:
@@ -121,14 +124,14 @@ def greedy(tab: Tables, extra_micro_batches: int = 3) -> list[list[Group]] | Non
         split = _blast(tab, m)
         if split is None:
             continue
-        layout = []
-        for items in split:
-            mb = _greedy_micro_batch(tab, items)
-            if mb is None:
-                layout = None
+        layout, queue, carry = [], list(split), []
+        while queue or carry:
+            items = (queue.pop(0) if queue else []) + carry
+            mb, carry = _greedy_micro_batch(tab, items)
+            if not mb:  # nothing fits even in an empty micro-batch: cannot happen for valid input
                 break
             layout.append(mb)
-        if layout is None:
+        if carry:
             continue
         ms = tab.step_ms(layout)
         if ms < best_ms - 1e-9:

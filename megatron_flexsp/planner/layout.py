@@ -122,12 +122,13 @@ class Tables:
         return float(sum(self.mb_ms(mb) for mb in layout))
 
 
-def pack_lpt(items, groups: list[Group], tab: Tables) -> bool:
+def pack_lpt(items, groups: list[Group], tab: Tables) -> list[int]:
     """Place ``items`` longest-first, each on the group where it finishes earliest and fits in memory.
 
-    Ties go to the earlier-created group (deterministic). Returns False if some item fits nowhere
-    (the groups are then partially filled).
+    Ties go to the earlier-created group (deterministic). Returns the items that fit nowhere
+    (empty when all were placed).
     """
+    left = []
     index = GroupIndex(tab)
     for g in groups:
         index.add(0, g)
@@ -141,10 +142,11 @@ def pack_lpt(items, groups: list[Group], tab: Tables) -> bool:
                 if best_key is None or k < best_key:
                     best, best_key = g, k
         if best is None:
-            return False
+            left.append(i)
+            continue
         tab.add(best, i)
         index.touch(best)
-    return True
+    return left
 
 
 def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400) -> None:
