@@ -45,6 +45,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost-mode", choices=("flexsp", "reference"), default="flexsp",
                    help="'reference' reproduces the FlexSP reference code's cost model exactly")
     p.add_argument("--over-length", choices=OVER_LENGTH_POLICIES, default="error")
+    p.add_argument("--kv-replication", action="store_true",
+                   help="GQA: allow groups larger than the KV-head count by replicating KV heads")
     p.add_argument("--json", dest="json_out", default=None, help="write plans / results as JSON")
 
 
@@ -74,7 +76,8 @@ def _setup(args) -> tuple[CostModel, list, PlannerConfig, int]:
                          f"{sorted(profile.models) or 'none'}")
     cm = CostModel.from_profile(profile, get_model(name), num_gpus=args.num_gpus,
                                 max_seq_len=args.max_seq_len,
-                                reference_exact=args.cost_mode == "reference")
+                                reference_exact=args.cost_mode == "reference",
+                                allow_kv_replication=args.kv_replication)
     if cm.cluster.gpus_per_node != args.gpus_per_node:
         raise ValueError(f"--gpus-per-node={args.gpus_per_node} differs from profile "
                          f"{profile.name!r} ({profile.gpus_per_node})")

@@ -87,6 +87,8 @@ class StepPlan:
     def to_dict(self) -> dict:
         data = asdict(self)
         data = {"format": PLAN_FORMAT, "version": PLAN_VERSION, **data}
+        for mb, out in zip(self.micro_batches, data["micro_batches"]):
+            out["predicted_ms"] = mb.predicted_ms
         data["gap"] = self.gap if self.lower_bound_ms > 0 else None
         return data
 

@@ -2,6 +2,7 @@
 # Create .venv with Python 3.12 and install megatron-flexsp with its test extras (idempotent).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+ROOT=$(pwd)
 
 find_python() {
   local cand
@@ -22,7 +23,8 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; raise SystemE
   rm -rf .venv
   "$PY" -m venv .venv
 fi
-if ! .venv/bin/python -c 'import megatron_flexsp, highspy, hypothesis, torch, megatron.core' 2>/dev/null; then
+if [ ! -x .venv/bin/flexsp ] || \
+   ! (cd / && "$ROOT/.venv/bin/python" -c 'import megatron_flexsp, highspy, hypothesis, torch, megatron.core') 2>/dev/null; then
   echo "setup_env: installing megatron-flexsp[test] (torch, megatron-core, highspy, ...)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'

@@ -66,6 +66,7 @@ def test_plan_json_round_trip():
     q = StepPlan.from_json(p.to_json())
     assert q == p
     assert p.to_dict()["gap"] == pytest.approx(2.0 / 1.5 - 1)
+    assert p.to_dict()["micro_batches"][0]["predicted_ms"] == 1.0
     with pytest.raises(ValueError, match="version 7"):
         StepPlan.from_dict({**p.to_dict(), "version": 7})
 
