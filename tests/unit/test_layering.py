@@ -15,6 +15,7 @@ PURE = ["megatron_flexsp", "megatron_flexsp.config", "megatron_flexsp.model_spec
         "megatron_flexsp.sim.workloads", "megatron_flexsp.cli"]
 LAYER0 = {"config", "model_spec", "plan", "topology", "utils"}
 LAYER1 = {"cost_model", "planner", "sim"}
+LAYER2 = {"runtime"}
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -35,6 +36,14 @@ def _imports(path: Path) -> set[str]:
     return names
 
 
+def test_runtime_loads_torch_but_not_megatron_or_planner():
+    code = ("import sys, megatron_flexsp.runtime.ulysses, megatron_flexsp.runtime.groups; "
+            "bad = [m for m in sys.modules if m == 'megatron' or m.startswith('megatron.') "
+            "or m.startswith('megatron_flexsp.planner')]; assert not bad, bad")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
 def test_no_upward_imports():
     problems = []
     for path in PKG.rglob("*.py"):
@@ -50,6 +59,10 @@ def test_no_upward_imports():
                     problems.append(f"{path}: layer-0 module imports {name}")
                 if top in LAYER1 and target not in LAYER0 | LAYER1:
                     problems.append(f"{path}: layer-1 module imports {name}")
+                if top in LAYER2 and target not in LAYER0 | LAYER2:
+                    problems.append(f"{path}: the runtime imports {name} (plans arrive as values)")
+            if parts[0] == "megatron" and top in LAYER2:
+                problems.append(f"{path}: the runtime imports {name}")
     assert not problems, "\n".join(problems)
 
 
