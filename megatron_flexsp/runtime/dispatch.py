@@ -1,0 +1,72 @@
+"""Move each sequence's shards from the rank that loaded it to the ranks that run it.
+
+Sequence ``s`` of the global batch is loaded by rank ``owner(s) = s % world`` (any fixed rule all
+ranks agree on works). For one micro-batch of a plan, the owner sends to each member rank of the
+sequence's group exactly that rank's shard (load-balanced layout, :mod:`layout`), in one
+``all_to_all_single`` over the world group with per-destination split sizes. No rank ever holds a
+sequence it neither loaded nor runs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from megatron_flexsp.runtime.layout import GroupLayout, build_group_layout
+
+
+def owner(seq: int, world: int) -> int:
+    return seq % world
+
+
+def micro_batch_layouts(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: list[int]
+                        ) -> dict[tuple[int, ...], GroupLayout]:
+    """Layout of every group (ranks -> layout) of one micro-batch."""
+    return {ranks: build_group_layout([lengths[s] for s in seqs], len(ranks)) for ranks, seqs in groups}
+
+
+def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: list[int],
+             loaded: dict[int, torch.Tensor], *, pad_value: int = 0) -> torch.Tensor:
+    """This rank's packed shard tokens for one micro-batch (collective over the world group).
+
+    ``groups``: the micro-batch's (ranks, sequences); ``loaded``: the sequences this rank owns,
+    ``{s: tokens[L_s]}``. Returns the rank's local tokens in its packing order (padding filled with
+    ``pad_value``), or an empty tensor if the rank runs nothing in this micro-batch.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dtype = next(iter(loaded.values())).dtype if loaded else torch.int64
+    send: list[list[torch.Tensor]] = [[] for _ in range(world)]
+    recv_counts = [0] * world
+    for ranks, seqs in groups:
+        d = len(ranks)
+        for s in seqs:
+            lay = build_group_layout([lengths[s]], d)
+            src = owner(s, world)
+            for r, dest in enumerate(ranks):
+                pos = lay.local_index[r]
+                if rank == src:
+                    if s not in loaded:
+                        raise ValueError(f"rank {rank} should own sequence {s} but did not load it")
+                    full = torch.full((int(lay.cu_seqlens[-1]),), pad_value, dtype=dtype)
+                    full[:lengths[s]] = loaded[s]
+                    send[dest].append(full[pos])
+                if rank == dest:
+                    recv_counts[src] += len(pos)
+    send_sizes = [int(sum(len(x) for x in chunks)) for chunks in send]
+    flat = torch.cat([x for chunks in send for x in chunks]) if any(send_sizes) else torch.empty(0, dtype=dtype)
+    recv = torch.empty(sum(recv_counts), dtype=dtype)
+    dist.all_to_all_single(recv, flat, output_split_sizes=recv_counts, input_split_sizes=send_sizes)
+    # reassemble in packing order: for my group, sequences in plan order, each from its owner
+    by_src = list(recv.split(recv_counts))
+    taken = [0] * world
+    out = []
+    for ranks, seqs in groups:
+        if rank not in ranks:
+            continue
+        r = ranks.index(rank)
+        for s in seqs:
+            n = len(build_group_layout([lengths[s]], len(ranks)).local_index[r])
+            src = owner(s, world)
+            out.append(by_src[src][taken[src]:taken[src] + n])
+            taken[src] += n
+    return torch.cat(out) if out else torch.empty(0, dtype=dtype)
