@@ -26,15 +26,20 @@ def micro_batch_layouts(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], l
 
 
 def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: list[int],
-             loaded: dict[int, torch.Tensor], *, pad_value: int = 0) -> torch.Tensor:
-    """This rank's packed shard tokens for one micro-batch (collective over the world group).
+             loaded: dict[int, torch.Tensor], *, pad_value=0, trailing: tuple[int, ...] = (),
+             dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """This rank's packed shards for one micro-batch (collective over the world group).
 
     ``groups``: the micro-batch's (ranks, sequences); ``loaded``: the sequences this rank owns,
-    ``{s: tokens[L_s]}``. Returns the rank's local tokens in its packing order (padding filled with
-    ``pad_value``), or an empty tensor if the rank runs nothing in this micro-batch.
+    ``{s: x[L_s, *trailing]}`` (e.g. tokens and labels stacked as ``[L, 2]``, in one all-to-all).
+    Returns ``[t, *trailing]``: the rank's rows in its packing order, padding filled with
+    ``pad_value`` (a scalar or one value per trailing column); empty if the rank runs nothing.
+    ``trailing`` and ``dtype`` must be given alike on every rank (some ranks load nothing).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    dtype = next(iter(loaded.values())).dtype if loaded else torch.int64
+    row = 1
+    for t in trailing:
+        row *= t
     send: list[list[torch.Tensor]] = [[] for _ in range(world)]
     recv_counts = [0] * world
     for ranks, seqs in groups:
@@ -47,15 +52,18 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
                 if rank == src:
                     if s not in loaded:
                         raise ValueError(f"rank {rank} should own sequence {s} but did not load it")
-                    full = torch.full((int(lay.cu_seqlens[-1]),), pad_value, dtype=dtype)
+                    full = torch.empty((int(lay.cu_seqlens[-1]),) + tuple(trailing), dtype=dtype)
+                    full[:] = torch.as_tensor(pad_value, dtype=dtype)
                     full[:lengths[s]] = loaded[s]
                     send[dest].append(full[pos])
                 if rank == dest:
                     recv_counts[src] += len(pos)
     send_sizes = [int(sum(len(x) for x in chunks)) for chunks in send]
-    flat = torch.cat([x for chunks in send for x in chunks]) if any(send_sizes) else torch.empty(0, dtype=dtype)
-    recv = torch.empty(sum(recv_counts), dtype=dtype)
-    dist.all_to_all_single(recv, flat, output_split_sizes=recv_counts, input_split_sizes=send_sizes)
+    flat = (torch.cat([x for chunks in send for x in chunks]) if any(send_sizes)
+            else torch.empty((0,) + tuple(trailing), dtype=dtype))
+    recv = torch.empty((sum(recv_counts),) + tuple(trailing), dtype=dtype)
+    dist.all_to_all_single(recv.view(-1), flat.reshape(-1), output_split_sizes=[c * row for c in recv_counts],
+                           input_split_sizes=[c * row for c in send_sizes])
     # reassemble in packing order: for my group, sequences in plan order, each from its owner
     by_src = list(recv.split(recv_counts))
     taken = [0] * world
@@ -69,4 +77,4 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
             src = owner(s, world)
             out.append(by_src[src][taken[src]:taken[src] + n])
             taken[src] += n
-    return torch.cat(out) if out else torch.empty(0, dtype=dtype)
+    return torch.cat(out) if out else torch.empty((0,) + tuple(trailing), dtype=dtype)

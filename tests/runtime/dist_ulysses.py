@@ -122,12 +122,11 @@ def transformer_checks(pool, rank, world):
     for p in range(4):
         plan = random_plan(rng, len(lengths), world)
         model = ToyTransformer(seed=3)
-        mine_docs = {s: docs[s] for s in range(len(docs)) if owner(s, world) == rank}
-        mine_labels = {s: shifted_labels(docs[s]) for s in mine_docs}
+        mine = {s: torch.stack([docs[s], shifted_labels(docs[s])], dim=1)
+                for s in range(len(docs)) if owner(s, world) == rank}
         loss_sum = torch.zeros(())
         for mb in plan:
-            tok = dispatch(mb, lengths, mine_docs)
-            lab = dispatch(mb, lengths, mine_labels, pad_value=IGNORE)
+            tok, lab = dispatch(mb, lengths, mine, pad_value=(0, IGNORE), trailing=(2,)).unbind(1)
             for ranks, seqs in mb:
                 if rank not in ranks:
                     continue
