@@ -9,6 +9,7 @@ heads, repeated to the query heads) and ``cu_seqlens`` (int64, document boundari
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -62,14 +63,18 @@ def _flash(q, k, v, cu, scale):
     return flash_attn_varlen_func(q, k, v, cu32, cu32, max_len, max_len, softmax_scale=scale, causal=True)
 
 
-def _te(q, k, v, cu, scale):
+@functools.lru_cache(maxsize=16)
+def _te_module(n: int, H: int, n_kv: int, scale: float):
     try:
-        from transformer_engine.pytorch.attention import DotProductAttention  # noqa: F401
+        from transformer_engine.pytorch import DotProductAttention
     except Exception as exc:  # TE raises RuntimeError, not ImportError, without a GPU
         raise RuntimeError(f"attention backend 'te' needs transformer-engine on a GPU ({exc})") from exc
-    n, H = q.shape[1], q.shape[2]
-    attn = DotProductAttention(n, H, num_gqa_groups=k.shape[1], attn_mask_type="padding_causal",
+    return DotProductAttention(n, H, num_gqa_groups=n_kv, attn_mask_type="padding_causal",
                                qkv_format="thd", softmax_scale=scale)
+
+
+def _te(q, k, v, cu, scale):
+    attn = _te_module(q.shape[1], q.shape[2], k.shape[1], float(scale))
     cu32 = cu.to(torch.int32)
     max_len = int((cu[1:] - cu[:-1]).max())
     out = attn(q, k, v, cu_seqlens_q=cu32, cu_seqlens_kv=cu32, max_seqlen_q=max_len, max_seqlen_kv=max_len)

@@ -16,7 +16,9 @@ import torch.distributed as dist
 import random
 
 from megatron_flexsp.runtime.all_to_all import head_to_seq, seq_to_head
+from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.runtime.dispatch import dispatch, owner
+from megatron_flexsp.runtime.executor import run_step
 from megatron_flexsp.runtime.testing import (IGNORE, ToyTransformer, local_positions, shifted_labels,
                                              token_loss_sum)
 from megatron_flexsp.runtime.attention import varlen_causal_attention
@@ -103,6 +105,12 @@ def random_plan(rng, n_seqs, world):
     return plan
 
 
+def to_step_plan(plan, lengths, world):
+    mbs = tuple(MicroBatchPlan(tuple(GroupPlan(tuple(r), tuple(sq), 0.0) for r, sq in mb)) for mb in plan)
+    return StepPlan(num_gpus=world, gpus_per_node=2, seq_lens=tuple(lengths), micro_batches=mbs,
+                    strategy="test", method="random", predicted_step_ms=0.0)
+
+
 def transformer_checks(pool, rank, world):
     failures = []
     g = torch.Generator().manual_seed(7)
@@ -124,22 +132,17 @@ def transformer_checks(pool, rank, world):
         model = ToyTransformer(seed=3)
         mine = {s: torch.stack([docs[s], shifted_labels(docs[s])], dim=1)
                 for s in range(len(docs)) if owner(s, world) == rank}
-        loss_sum = torch.zeros(())
-        for mb in plan:
-            tok, lab = dispatch(mb, lengths, mine, pad_value=(0, IGNORE), trailing=(2,)).unbind(1)
-            for ranks, seqs in mb:
-                if rank not in ranks:
-                    continue
-                lens = [lengths[s] for s in seqs]
-                glay = build_group_layout(lens, len(ranks))
-                r = ranks.index(rank)
-                expect = natural([docs[s] for s in seqs], lens, glay)[glay.local_index[r]]
-                if not torch.equal(tok, expect):
-                    failures.append(f"plan {p}: dispatch delivered the wrong tokens")
-                logits = model(tok, local_positions(lens, len(ranks), r), group=pool.get(ranks), layout=glay)
-                loss = token_loss_sum(logits, lab) / total
-                loss.backward()
-                loss_sum = loss_sum + loss.detach()
+        step = to_step_plan(plan, lengths, world)
+
+        def run_group(rows, positions, group, glay, _model=model, _step=step):
+            tok, lab = rows.unbind(1)
+            loss = token_loss_sum(_model(tok, positions, group=group, layout=glay), lab) / total
+            loss.backward()
+            return loss.detach()
+
+        stats = run_step(step, pool=pool, rank=rank, loaded=mine, run_group=run_group,
+                         num_heads=4, num_kv_heads=4, pad_value=(0, IGNORE), trailing=(2,))
+        loss_sum = torch.tensor(stats.loss_sum, dtype=torch.float32)
         dist.all_reduce(loss_sum)
         for param in model.parameters():
             dist.all_reduce(param.grad)
@@ -206,7 +209,25 @@ def main():
     if err <= 1e-3:
         failures.append(f"negative control passed (max error {err:.2e}): the check cannot fail")
 
-    # 5. a small transformer with per-token loss: loss and every gradient equal one process
+    # 5. dispatch delivers exactly this rank's shards (from the owners), for random plans
+    rng = random.Random(5)
+    docs = [torch.arange(L) + 1000 * s for s, L in enumerate(lengths)]
+    mine = {s: docs[s] for s in range(len(docs)) if owner(s, world) == rank}
+    for p in range(5):
+        for mb in random_plan(rng, len(lengths), world):
+            got = dispatch(mb, lengths, mine, pad_value=-1)
+            want = torch.empty(0, dtype=torch.int64)
+            for ranks, seqs in mb:
+                if rank in ranks:
+                    lens = [lengths[s] for s in seqs]
+                    lay = build_group_layout(lens, len(ranks))
+                    nat = natural([docs[s] for s in seqs], lens, lay)
+                    nat[~lay.valid] = -1
+                    want = nat[lay.local_index[ranks.index(rank)]]
+            if not torch.equal(got, want):
+                failures.append(f"dispatch plan {p}: wrong rows on rank {rank}")
+
+    # 6. a small transformer with per-token loss: loss and every gradient equal one process
     failures += transformer_checks(pool, rank, world)
 
     flags = torch.tensor([len(failures)], dtype=torch.int64)
