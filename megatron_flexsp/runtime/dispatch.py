@@ -27,14 +27,15 @@ def micro_batch_layouts(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], l
 
 def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: list[int],
              loaded: dict[int, torch.Tensor], *, pad_value=0, trailing: tuple[int, ...] = (),
-             dtype: torch.dtype = torch.int64) -> torch.Tensor:
+             dtype: torch.dtype = torch.int64, device: torch.device | str = "cpu") -> torch.Tensor:
     """This rank's packed shards for one micro-batch (collective over the world group).
 
     ``groups``: the micro-batch's (ranks, sequences); ``loaded``: the sequences this rank owns,
     ``{s: x[L_s, *trailing]}`` (e.g. tokens and labels stacked as ``[L, 2]``, in one all-to-all).
     Returns ``[t, *trailing]``: the rank's rows in its packing order, padding filled with
     ``pad_value`` (a scalar or one value per trailing column); empty if the rank runs nothing.
-    ``trailing`` and ``dtype`` must be given alike on every rank (some ranks load nothing).
+    ``trailing``, ``dtype`` and ``device`` must be given alike on every rank (some ranks load
+    nothing); with NCCL the device is the rank's GPU.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     row = 1
@@ -52,16 +53,18 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
                 if rank == src:
                     if s not in loaded:
                         raise ValueError(f"rank {rank} should own sequence {s} but did not load it")
-                    full = torch.empty((int(lay.cu_seqlens[-1]),) + tuple(trailing), dtype=dtype)
-                    full[:] = torch.as_tensor(pad_value, dtype=dtype)
-                    full[:lengths[s]] = loaded[s]
+                    full = torch.empty((int(lay.cu_seqlens[-1]),) + tuple(trailing), dtype=dtype,
+                                       device=device)
+                    full[:] = torch.as_tensor(pad_value, dtype=dtype, device=device)
+                    full[:lengths[s]] = loaded[s].to(device)
+                    pos = pos.to(device)
                     send[dest].append(full[pos])
                 if rank == dest:
                     recv_counts[src] += len(pos)
     send_sizes = [int(sum(len(x) for x in chunks)) for chunks in send]
     flat = (torch.cat([x for chunks in send for x in chunks]) if any(send_sizes)
-            else torch.empty((0,) + tuple(trailing), dtype=dtype))
-    recv = torch.empty((sum(recv_counts),) + tuple(trailing), dtype=dtype)
+            else torch.empty((0,) + tuple(trailing), dtype=dtype, device=device))
+    recv = torch.empty((sum(recv_counts),) + tuple(trailing), dtype=dtype, device=device)
     dist.all_to_all_single(recv.view(-1), flat.reshape(-1), output_split_sizes=[c * row for c in recv_counts],
                            input_split_sizes=[c * row for c in send_sizes])
     # reassemble in packing order: for my group, sequences in plan order, each from its owner
@@ -77,4 +80,4 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
             src = owner(s, world)
             out.append(by_src[src][taken[src]:taken[src] + n])
             taken[src] += n
-    return torch.cat(out) if out else torch.empty((0,) + tuple(trailing), dtype=dtype)
+    return torch.cat(out) if out else torch.empty((0,) + tuple(trailing), dtype=dtype, device=device)

@@ -32,7 +32,8 @@ class StepStats:
 
 def run_step(plan: StepPlan, *, pool, rank: int, loaded: dict[int, torch.Tensor],
              run_group: Callable, num_heads: int, num_kv_heads: int, kv_replication: bool = False,
-             pad_value=0, trailing: tuple[int, ...] = (), dtype: torch.dtype = torch.int64) -> StepStats:
+             pad_value=0, trailing: tuple[int, ...] = (), dtype: torch.dtype = torch.int64,
+             device: torch.device | str = "cpu") -> StepStats:
     """Run ``plan`` on this rank (collective: every rank calls it with the same plan).
 
     ``loaded``: the sequences this rank owns (``s % world == rank``), ``{s: rows[L_s, *trailing]}``.
@@ -43,7 +44,8 @@ def run_step(plan: StepPlan, *, pool, rank: int, loaded: dict[int, torch.Tensor]
     for mb in plan.micro_batches:
         groups = [(g.ranks, g.seqs) for g in mb.groups]
         t0 = time.perf_counter()
-        rows = dispatch(groups, lengths, loaded, pad_value=pad_value, trailing=trailing, dtype=dtype)
+        rows = dispatch(groups, lengths, loaded, pad_value=pad_value, trailing=trailing, dtype=dtype,
+                        device=device)
         stats.dispatch_s += time.perf_counter() - t0
         for g in mb.groups:
             if rank not in g.ranks:
@@ -53,7 +55,7 @@ def run_step(plan: StepPlan, *, pool, rank: int, loaded: dict[int, torch.Tensor]
             lens = [lengths[s] for s in g.seqs]
             layout = build_group_layout(lens, g.size)
             r = g.ranks.index(rank)
-            positions = torch.cat([shard_positions(L, g.size, r) for L in lens])
+            positions = torch.cat([shard_positions(L, g.size, r) for L in lens]).to(device)
             t1 = time.perf_counter()
             stats.switch_s += t1 - t0
             stats.loss_sum += float(run_group(rows, positions, group, layout))

@@ -55,11 +55,11 @@ class GroupLayout:
 
     def to_natural(self, x_T: torch.Tensor) -> torch.Tensor:
         """Rows in gathered order -> natural order (first dimension)."""
-        return x_T[self.natural_index]
+        return x_T[self.natural_index.to(x_T.device)]
 
     def to_gathered(self, x_T: torch.Tensor) -> torch.Tensor:
         """Rows in natural order -> gathered order (inverse of :meth:`to_natural`)."""
-        return x_T[self.gather_index]
+        return x_T[self.gather_index.to(x_T.device)]
 
 
 def build_group_layout(lengths: list[int], size: int) -> GroupLayout:

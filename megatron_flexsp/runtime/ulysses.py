@@ -42,5 +42,5 @@ def ulysses_attention(q_tNH: torch.Tensor, k_tKH: torch.Tensor, v_tKH: torch.Ten
         k_TnH = seq_to_head(k_tKH, group=group, token_counts=counts)
         v_TnH = seq_to_head(v_tKH, group=group, token_counts=counts)
     nat = [layout.to_natural(x) for x in (q_TnH, k_TnH, v_TnH)]
-    o_TnH = varlen_causal_attention(*nat, layout.cu_seqlens, backend=backend)
+    o_TnH = varlen_causal_attention(*nat, layout.cu_seqlens.to(q_tNH.device), backend=backend)
     return head_to_seq(layout.to_gathered(o_TnH), group=group, token_counts=counts)
