@@ -117,23 +117,29 @@ def _plan_baseline(tab: Tables, strategy: str, max_seq_len: int) -> StepPlan:
     return to_step_plan(layout, tab, strategy=strategy, method=f"homogeneous-d{d}")
 
 
-def lower_bounds(tab: Tables, m_max: int) -> tuple[float, float]:
-    """(always-valid bound, bound for plans with more than ``m_max`` micro-batches), in ms.
+@dataclasses.dataclass(frozen=True)
+class SimpleBounds:
+    """Bounds valid for any plan (ms): ``base``; and ``tail(m)`` for plans with more than m
+    micro-batches. Every micro-batch costs at least the smallest fixed cost ``f_min`` plus its
+    GPU-time over N (``area`` in total); every sequence at least its fastest feasible time."""
 
-    Every micro-batch costs at least the smallest fixed cost plus its GPU-time over N; every
-    sequence at least its fastest feasible time plus that group's fixed cost.
-    """
-    n = tab.cm.cluster.num_gpus
+    base: float
+    f_min: float
+    area: float
+
+    def tail(self, m: int) -> float:
+        return (m + 1) * self.f_min + self.area
+
+
+def simple_bounds(tab: Tables) -> SimpleBounds:
     f_min = min(tab.fixed.values())
-    area = tab.area_min_ms() / n
+    area = tab.area_min_ms() / tab.cm.cluster.num_gpus
     fastest = max(min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes if tab.lens[i] <= tab.cap[d])
                   for i in range(len(tab.lens)))
-    base = max(H.min_micro_batches(tab) * f_min + area, fastest)
-    return base, (m_max + 1) * f_min + area
+    return SimpleBounds(max(H.min_micro_batches(tab) * f_min + area, fastest), f_min, area)
 
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
-    n = tab.cm.cluster.num_gpus
     candidates = []
     greedy = H.greedy(tab)
     if greedy is not None:
@@ -143,8 +149,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
     if not candidates:
         raise ValueError("no memory-feasible plan exists for this batch")
-    f_min = min(tab.fixed.values())
-    area = tab.area_min_ms() / n
+    bounds = simple_bounds(tab)
     m_min = H.min_micro_batches(tab)
     longs, rest = select_long(tab, fraction=cfg.long_fraction, max_long=cfg.max_long)
     cm = tab.cm
@@ -169,11 +174,12 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
                     layout = realize(sol, tab, buckets, use_quota=use_quota)
                     candidates.insert(0, (tab.step_ms(layout), name, layout))
         best_ms = min(c[0] for c in candidates)
-        if (m_max + 1) * f_min + area >= best_ms or m_max >= m_min + cfg.max_extra_micro_batches:
+        if bounds.tail(m_max) >= best_ms or m_max >= m_min + cfg.max_extra_micro_batches:
             break
         m_max += 1
-    base, tail = lower_bounds(tab, m_max)
-    bound = max(base, min(res.dual_bound_ms, tail)) if math.isfinite(res.dual_bound_ms) else base
+    bound = bounds.base
+    if math.isfinite(res.dual_bound_ms):
+        bound = max(bound, min(res.dual_bound_ms, bounds.tail(m_max)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info = {"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": milp_time,
             "refine_time_s": refine_time,

@@ -37,6 +37,7 @@ import highspy
 import numpy as np
 
 from megatron_flexsp.planner.bucketing import Buckets
+from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Group, Tables
 
 
@@ -189,7 +190,7 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
         mdl.row(total, total, cols, [1.0] * len(cols))
     f_min = min(tab.fixed.values())
     if m_min is None:
-        m_min = max(1, math.ceil(int(tab.lens.sum()) / (cm.capacity_tokens * n_gpus)))
+        m_min = min_micro_batches(tab)
     u = [mdl.col(1.0 if j < m_min else 0.0, 1.0, integer=True) for j in range(m_max)]
     kk = range(len(buckets.members))
     for j in range(m_max):
