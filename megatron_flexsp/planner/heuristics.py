@@ -145,8 +145,9 @@ def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
     """Megatron dynamic-CP greedy (``../shared/notes/peers.md``), evaluated under our cost model.
 
     Sequences sorted by length; each gets the smallest power-of-two size with ``len/size`` within the
-    per-rank token cap (here the memory capacity); it joins a group of that size with room (least
-    ``sum(len^2)/size`` workload) or opens one on free ranks, else waits for the next micro-batch.
+    per-rank token cap (here the memory capacity); it opens a group on free ranks (zero workload) or
+    else joins the group of that size with room and the least ``sum(len^2)/size`` workload, else
+    waits for the next micro-batch.
     Then groups are doubled while free ranks remain and doubling lowers the critical rank's
     workload. The workload proxy has no communication or linear term (as in Megatron).
     """
@@ -160,17 +161,17 @@ def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
             d = int(tab.min_size[i])
             if d == 0:
                 return None
-            same = [g for g in groups if g.size == d and g.tokens + tab.lens[i] <= tab.cap[d]]
-            if same:
-                g = min(same, key=lambda g: work[id(g)])
-            elif free >= d:
+            if free >= d:  # free ranks carry no workload: the least-loaded choice
                 g = Group(d)
                 groups.append(g)
                 work[id(g)] = 0.0
                 free -= d
             else:
-                left.append(i)
-                continue
+                same = [g for g in groups if g.size == d and g.tokens + tab.lens[i] <= tab.cap[d]]
+                if not same:
+                    left.append(i)
+                    continue
+                g = min(same, key=lambda g: (work[id(g)], g.uid))
             g.seqs.append(int(i))
             g.tokens += int(tab.lens[i])
             work[id(g)] += float(tab.lens[i]) ** 2 / d
