@@ -20,6 +20,8 @@ class PlannerConfig:
     rel_gap: relative MIP gap at which HiGHS stops.
     slot_min_size: in the per-micro-batch refinement, group sizes of at least this many GPUs are
         explicit groups (exact time per group); smaller sizes are aggregated counts.
+    refine_node_limit: branch-and-bound nodes per micro-batch in that refinement (a heuristic
+        phase: its bound is not used, so a small budget only costs plan quality).
     over_length: what to do with a sequence longer than the cluster holds: "error", "truncate", "drop".
     """
 
@@ -33,6 +35,7 @@ class PlannerConfig:
     over_length: str = "error"
     seed: int = 0
     slot_min_size: int = 4
+    refine_node_limit: int = 50
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:

@@ -203,7 +203,7 @@ def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets
         shares = [sum(v for (k, jj, _), v in res.tokens.items() if k == kk and jj == j)
                   for kk in range(len(buckets.members))]
         r = solve_step_milp(tab, mine, buckets, m_max=1, upper_ms=upper_ms, warm=None,
-                            time_limit_s=cfg.time_limit_s, node_limit=cfg.node_limit,
+                            time_limit_s=cfg.time_limit_s, node_limit=cfg.refine_node_limit,
                             rel_gap=cfg.rel_gap, seed=cfg.seed, slot_min_size=cfg.slot_min_size,
                             bucket_tokens=shares, m_min=1, restrict_to_slots=True)
         if not r.counts:
