@@ -24,7 +24,7 @@ from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.layout import Tables, to_step_plan
-from megatron_flexsp.planner.milp import MilpResult, solve_step_milp
+from megatron_flexsp.planner.milp import MilpOptions, MilpResult, solve_step_milp
 from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
 from megatron_flexsp.utils.logging import get_logger
 
@@ -162,8 +162,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     while True:
         inc_ms, _, inc = min(candidates, key=lambda c: c[0])
         res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
-                              warm=inc if len(inc) <= m_max else None, time_limit_s=cfg.time_limit_s,
-                              node_limit=cfg.node_limit, rel_gap=cfg.rel_gap, seed=cfg.seed)
+                              warm=inc if len(inc) <= m_max else None,
+                              options=MilpOptions(cfg.time_limit_s, cfg.node_limit, cfg.rel_gap, cfg.seed))
         milp_time += res.solve_time_s
         if res.counts:
             refined = refine_micro_batches(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6),
@@ -196,6 +196,8 @@ def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets
     """Phase B: re-solve each micro-batch of the step MILP alone with explicit groups for every size
     of at least ``cfg.slot_min_size`` GPUs, keeping its long sequences and bucket token shares."""
     out = MilpResult([], {}, {}, [], 0.0, 0.0, "", 0, 0.0)
+    options = MilpOptions(cfg.time_limit_s, cfg.refine_node_limit, cfg.rel_gap, cfg.seed,
+                          slot_min_size=cfg.slot_min_size, restrict_to_slots=True)
     statuses = []
     used = sorted({j for j, _, _ in res.long_at.values()} | {j for _, j, _ in res.tokens})
     for j in used:
@@ -203,9 +205,7 @@ def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets
         shares = [sum(v for (k, jj, _), v in res.tokens.items() if k == kk and jj == j)
                   for kk in range(len(buckets.members))]
         r = solve_step_milp(tab, mine, buckets, m_max=1, upper_ms=upper_ms, warm=None,
-                            time_limit_s=cfg.time_limit_s, node_limit=cfg.refine_node_limit,
-                            rel_gap=cfg.rel_gap, seed=cfg.seed, slot_min_size=cfg.slot_min_size,
-                            bucket_tokens=shares, m_min=1, restrict_to_slots=True)
+                            options=options, bucket_tokens=shares, m_min=1)
         if not r.counts:
             return MilpResult([], {}, {}, [], math.inf, 0.0, r.status, out.nodes + r.nodes,
                               out.solve_time_s + r.solve_time_s)

@@ -114,24 +114,41 @@ class _Model:
         return h
 
 
+@dataclass(frozen=True)
+class MilpOptions:
+    """How to build and solve one MILP.
+
+    ``slot_min_size``: sizes of at least this many GPUs get explicit group slots (0: just above a
+    node), at most ``slot_max`` per size and no more than the long sequences that fit them.
+    ``restrict_to_slots`` keeps long sequences of a slotted size out of its aggregated class even when
+    the slots cannot cover every group (a restriction, not a relaxation: only when the dual bound is
+    not needed). ``bucket_indicators``: the bucket-in-(micro-batch, size) binaries. Single-threaded;
+    ``node_limit`` makes the result deterministic, ``time_limit_s`` is a safety net (a run that hits
+    it may differ between machines).
+    """
+
+    time_limit_s: float
+    node_limit: int
+    rel_gap: float
+    seed: int = 0
+    slot_max: int = 8
+    slot_min_size: int = 0
+    bucket_indicators: bool = True
+    restrict_to_slots: bool = False
+
+
 def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: int,
-                    upper_ms: float, warm: list[list[Group]] | None, time_limit_s: float,
-                    node_limit: int, rel_gap: float, seed: int = 0, slot_max: int = 8,
-                    slot_min_size: int = 0, bucket_tokens: list[float] | None = None,
-                    m_min: int | None = None, bucket_indicators: bool = True,
-                    restrict_to_slots: bool = False) -> MilpResult:
+                    upper_ms: float, warm: list[list[Group]] | None, options: MilpOptions,
+                    bucket_tokens: list[float] | None = None, m_min: int | None = None) -> MilpResult:
     """Build and solve the step MILP for ``longs`` (individual) and ``buckets`` (fluid).
 
     ``upper_ms``: a known feasible step time (big-M for ``M_j``); ``warm``: a layout with at most
-    ``m_max`` micro-batches given to HiGHS as its first incumbent. Sizes of at least
-    ``slot_min_size`` GPUs (default: just above a node) get explicit group slots, at most
-    ``slot_max`` per size and no more than the long sequences that fit them. ``bucket_tokens``
-    overrides each bucket's token total (to solve one micro-batch's share); ``m_min`` the micro-batches
-    that must be used. ``restrict_to_slots`` keeps long sequences of a slotted size out of its
-    aggregated class even when the slots cannot cover every group (a restriction, not a relaxation:
-    use it only when the dual bound is not needed). Single-threaded; the node limit makes the result
-    deterministic, the time limit is a safety net (a run that hits it may differ between machines).
+    ``m_max`` micro-batches given to HiGHS as its first incumbent. ``bucket_tokens`` overrides each
+    bucket's token total (to solve one micro-batch's share); ``m_min`` the micro-batches that must be
+    used (default: the memory minimum of the whole batch).
     """
+    slot_max, slot_min_size = options.slot_max, options.slot_min_size
+    restrict_to_slots, bucket_indicators = options.restrict_to_slots, options.bucket_indicators
     cm = tab.cm
     n_gpus = cm.cluster.num_gpus
     sizes = tab.sizes
@@ -230,8 +247,8 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
         if j + 1 < m_max:
             mdl.row(0.0, math.inf, [M[j], M[j + 1]], [1.0, -1.0])
 
-    h = mdl.to_highs(threads=1, time_limit_s=time_limit_s, node_limit=node_limit, rel_gap=rel_gap,
-                     seed=seed)
+    h = mdl.to_highs(threads=1, time_limit_s=options.time_limit_s, node_limit=options.node_limit,
+                     rel_gap=options.rel_gap, seed=options.seed)
     if warm is not None and len(warm) <= m_max:
         x = _warm_start(len(mdl.lb), warm, tab, M, u, n, y, tau, buckets, slots, fit_order)
         for (k, j, d), c in w_of.items():
