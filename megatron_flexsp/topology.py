@@ -31,10 +31,6 @@ class ClusterSpec:
             raise ValueError(f"num_gpus={self.num_gpus} is not a multiple of "
                              f"gpus_per_node={self.gpus_per_node}")
 
-    @property
-    def num_nodes(self) -> int:
-        return max(1, self.num_gpus // self.gpus_per_node)
-
     def is_intra_node(self, size: int) -> bool:
         """A node-aligned group of ``size`` GPUs stays inside one node."""
         return size <= self.gpus_per_node

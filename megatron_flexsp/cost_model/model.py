@@ -165,9 +165,6 @@ class CostModel:
         points = points or self.profile.inter_node or self.profile.intra_node
         return _interp(points, d, "latency_ms")
 
-    def bandwidth_mib_per_ms(self, d: int) -> float:
-        return self._bw[d] if d in self._bw else self._bandwidth(d)
-
     # ----------------------------------------------------------------------------- time
     def _check_size(self, d: int) -> None:
         if d not in self._bw:

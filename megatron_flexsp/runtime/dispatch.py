@@ -12,17 +12,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_flexsp.runtime.layout import GroupLayout, build_group_layout
+from megatron_flexsp.runtime.layout import build_group_layout
 
 
 def owner(seq: int, world: int) -> int:
     return seq % world
-
-
-def micro_batch_layouts(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: list[int]
-                        ) -> dict[tuple[int, ...], GroupLayout]:
-    """Layout of every group (ranks -> layout) of one micro-batch."""
-    return {ranks: build_group_layout([lengths[s] for s in seqs], len(ranks)) for ranks, seqs in groups}
 
 
 def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: list[int],
