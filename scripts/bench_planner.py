@@ -55,7 +55,11 @@ def bench_setting(n, batches, cm, cfg, max_len):
                       "idle_fraction": sim.idle_fraction, "alltoall_fraction": sim.alltoall_fraction}
             if s == "flexsp":
                 row[s].update({"gap": plan.gap, "lower_bound_ms": plan.lower_bound_ms,
-                               "method": plan.method, "bucketing_error": plan.bucketing_error})
+                               "method": plan.method, "bucketing_error": plan.bucketing_error,
+                               "milp_status": plan.info.get("milp_status"),
+                               "refine_status": plan.info.get("refine_status"),
+                               "milp_time_s": plan.info.get("milp_time_s"),
+                               "refine_time_s": plan.info.get("refine_time_s")})
         rows.append(row)
         f = row["flexsp"]
         print(f"  N={n} batch {k + 1}/{len(batches)}: flexsp {f['step_ms']:.0f} ms "
