@@ -156,14 +156,19 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     buckets = make_buckets(tab.lens, rest, num_buckets=cfg.num_buckets,
                            a_attn=cm.coeffs.a_attn_ms_per_token2, a_lin=cm.coeffs.a_lin_ms_per_token,
                            cuts=bucket_cuts(tab))
+    # Several sequences that need half a node or more pack badly in an aggregated class: give the
+    # node size explicit slots in phase A too when that happens (better plans and bounds, ~2x time).
+    gpn = tab.cm.cluster.gpus_per_node
+    big = sum(1 for i in longs if tab.min_size[i] * 2 >= gpn)
+    phase_a = MilpOptions(cfg.time_limit_s, cfg.node_limit, cfg.rel_gap, cfg.seed,
+                          slot_min_size=gpn if big >= cfg.node_slot_trigger else 2 * gpn)
     # Iterative deepening over the micro-batch count: solve with at most m_max micro-batches, and
     # allow one more only while plans with more could still beat the best plan found.
     m_max, milp_time, refine_time, refined = m_min, 0.0, 0.0, None
     while True:
         inc_ms, _, inc = min(candidates, key=lambda c: c[0])
         res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
-                              warm=inc if len(inc) <= m_max else None,
-                              options=MilpOptions(cfg.time_limit_s, cfg.node_limit, cfg.rel_gap, cfg.seed))
+                              warm=inc if len(inc) <= m_max else None, options=phase_a)
         milp_time += res.solve_time_s
         if res.counts:
             refined = refine_micro_batches(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6),
