@@ -251,8 +251,9 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
                      rel_gap=options.rel_gap, seed=options.seed)
     if warm is not None and len(warm) <= m_max:
         x = _warm_start(len(mdl.lb), warm, tab, M, u, n, y, tau, buckets, slots, fit_order)
-        for (k, j, d), c in w_of.items():
-            x[c] = float(any(x[tau[key]] > 0 for key in tau if key[:3] == (k, j, d)))
+        used = {key[:3] for key, c in tau.items() if x[c] > 0}
+        for kjd, c in w_of.items():
+            x[c] = float(kjd in used)
         sol = highspy.HighsSolution()
         sol.col_value = list(x)
         sol.value_valid = True

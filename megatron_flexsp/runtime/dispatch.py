@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_flexsp.runtime.layout import build_group_layout
+from megatron_flexsp.runtime.layout import build_group_layout, padded_length
 
 
 def owner(seq: int, world: int) -> int:
@@ -68,9 +68,8 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
     for ranks, seqs in groups:
         if rank not in ranks:
             continue
-        r = ranks.index(rank)
         for s in seqs:
-            n = len(build_group_layout([lengths[s]], len(ranks)).local_index[r])
+            n = padded_length(lengths[s], len(ranks)) // len(ranks)
             src = owner(s, world)
             out.append(by_src[src][taken[src]:taken[src] + n])
             taken[src] += n

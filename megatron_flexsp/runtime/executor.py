@@ -15,7 +15,7 @@ import torch
 
 from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.runtime.dispatch import dispatch
-from megatron_flexsp.runtime.layout import build_group_layout, shard_positions
+from megatron_flexsp.runtime.layout import build_group_layout, local_positions
 from megatron_flexsp.runtime.plan_check import check_plan
 
 
@@ -55,7 +55,7 @@ def run_step(plan: StepPlan, *, pool, rank: int, loaded: dict[int, torch.Tensor]
             lens = [lengths[s] for s in g.seqs]
             layout = build_group_layout(lens, g.size)
             r = g.ranks.index(rank)
-            positions = torch.cat([shard_positions(L, g.size, r) for L in lens]).to(device)
+            positions = local_positions(lens, g.size, r).to(device)
             t1 = time.perf_counter()
             stats.switch_s += t1 - t0
             stats.loss_sum += float(run_group(rows, positions, group, layout))

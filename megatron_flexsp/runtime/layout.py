@@ -30,6 +30,11 @@ def shard_positions(length: int, d: int, r: int) -> torch.Tensor:
     return torch.cat([first, second])
 
 
+def local_positions(lengths: list[int], size: int, r: int) -> torch.Tensor:
+    """Positions within their own sequences of rank r's packed tokens (padding beyond each length)."""
+    return torch.cat([shard_positions(L, size, r) for L in lengths])
+
+
 @dataclass(frozen=True)
 class GroupLayout:
     """Layout of the packed sequences of one group.

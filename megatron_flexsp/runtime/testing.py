@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from megatron_flexsp.runtime.layout import GroupLayout, padded_length, shard_positions
+from megatron_flexsp.runtime.layout import GroupLayout, local_positions, padded_length
 from megatron_flexsp.runtime.ulysses import ulysses_attention
 
 IGNORE = -100
@@ -47,11 +47,6 @@ def shifted_labels(tokens: torch.Tensor) -> torch.Tensor:
     labels = torch.full_like(tokens, IGNORE)
     labels[:-1] = tokens[1:]
     return labels
-
-
-def local_positions(lengths: list[int], size: int, r: int) -> torch.Tensor:
-    """Positions within their sequences of rank r's packed tokens (padding beyond each length)."""
-    return torch.cat([shard_positions(L, size, r) for L in lengths])
 
 
 def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
