@@ -1,28 +1,130 @@
-"""Megatron GPT pretraining with FlexSP (heterogeneous sequence parallelism).
+"""Megatron GPT pretraining on whole documents, with FlexSP heterogeneous sequence parallelism.
 
-The training integration (Megatron's ``pretrain()`` with ``--flexsp``) is issue 4 and not part of
-this build yet. What works today is the plan-only mode, which needs no GPU and no Megatron::
+The shape of Megatron-LM's ``pretrain_gpt.py``: Megatron's argument parser, ``pretrain()``, GPTModel,
+its logging and ``--save/--load``; our flags come through ``extra_args_provider``
+(:data:`megatron_flexsp.integration.args.FLEXSP_FLAGS`). Data: documents of Megatron indexed
+datasets (``--data-path``), ``--global-batch-size`` documents per step.
 
-    python pretrain_gpt_flexsp.py --flexsp-plan-only --lengths FILE --global-batch 512 \\
-        --num-gpus 64 --gpus-per-node 8 --profile a100-paper --model gpt-7b --max-seq-len 196608
+- with ``--flexsp``: Megatron runs with TP=PP=CP=1 and DP=world; every global batch is planned into
+  heterogeneous Ulysses groups and this script's patches run each rank's micro-batches;
+- without it: plain Megatron data parallelism over the same documents packed into rows.
 
-It plans and prints the steps exactly like ``flexsp plan`` (same arguments).
+Required Megatron flags: ``--calculate-per-token-loss``; ``--dataloader-type`` is set to
+``external``. CPU mode (``--flexsp-cpu``, default auto) runs all of it on CPU with gloo.
+
+    torchrun --nproc-per-node 4 pretrain_gpt_flexsp.py --flexsp <Megatron flags> ...
+    python pretrain_gpt_flexsp.py --flexsp-plan-only --lengths FILE ...   # plan only, as `flexsp plan`
 """
 
 from __future__ import annotations
 
 import sys
+from functools import partial
+
+
+def _flag_value(argv: list[str], flag: str, default: str) -> str:
+    for i, a in enumerate(argv):
+        if a == flag and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return default
+
+
+def loss_func(loss_mask, output_tensor):
+    """Per-token loss terms of one micro-batch: (sum, token count, report) for Megatron."""
+    import torch
+
+    losses = output_tensor.view(-1).float()
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
+    return loss, num_tokens, {"lm loss": report}
+
+
+def forward_step(data_iterator, model):
+    """Megatron forward step on one prepared micro-batch (see megatron_flexsp.integration)."""
+    item = next(data_iterator)
+    output = model(item.tokens, item.position_ids, item.attention_mask, labels=item.labels,
+                   packed_seq_params=item.packed_seq_params)
+    return output, partial(loss_func, item.loss_mask)
+
+
+def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
+                   *, settings=None, flexsp=False, backend="sdpa"):
+    """GPTModel with Megatron's local layer spec; with ``--flexsp``, FlexSP core attention."""
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.training import get_args
+    from megatron.training.argument_utils import core_transformer_config_from_args
+
+    from megatron_flexsp.integration.attention import flexsp_layer_spec
+
+    args = get_args()
+    config = config or core_transformer_config_from_args(args)
+    norm = getattr(args, "normalization", None)
+    if flexsp:
+        spec = flexsp_layer_spec(backend=backend, kv_replication=settings.runtime.kv_replication,
+                                 normalization=norm, qk_layernorm=args.qk_layernorm)
+    else:
+        spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=args.qk_layernorm)
+    return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
+                    max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
+                    post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,
+                    parallel_output=True,
+                    share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+                    position_embedding_type=args.position_embedding_type,
+                    rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                    pg_collection=pg_collection)
 
 
 def main(argv: list[str]) -> int:
-    if "--flexsp-plan-only" not in argv:
-        sys.stderr.write("pretrain_gpt_flexsp.py: training through Megatron is not available in this "
-                         "build (see README, issue 4); use --flexsp-plan-only to plan steps.\n")
-        return 2
-    from megatron_flexsp.cli import main as cli_main
+    if "--flexsp-plan-only" in argv:
+        from megatron_flexsp.cli import main as cli_main
 
-    rest = [a for a in argv if a != "--flexsp-plan-only"]
-    return cli_main(["plan", *rest])
+        return cli_main(["plan", *[a for a in argv if a != "--flexsp-plan-only"]])
+
+    from megatron_flexsp.integration.cpu_mode import enable_cpu_mode, resolve_cpu_mode
+
+    on_cpu = resolve_cpu_mode(_flag_value(argv, "--flexsp-cpu", "auto"))
+    if on_cpu:
+        backend = _flag_value(argv, "--distributed-backend", "gloo")
+        if backend != "gloo":
+            raise ValueError(f"--distributed-backend {backend}: CPU mode needs gloo")
+        if "--distributed-backend" not in " ".join(argv):
+            sys.argv += ["--distributed-backend", "gloo"]
+        enable_cpu_mode()
+
+    from megatron.core.enums import ModelType
+    from megatron.training.argument_utils import pretrain_cfg_container_from_args
+    from megatron.training.arguments import parse_and_validate_args
+    from megatron.training.training import pretrain
+
+    import patches
+    from megatron_flexsp.integration.args import add_flexsp_args, check_megatron_args, load_settings
+    from megatron_flexsp.integration.driver import StepDriver
+    from patches.schedule import schedule_patch
+
+    args = parse_and_validate_args(extra_args_provider=add_flexsp_args,
+                                   args_defaults={"dataloader_type": "external"})
+    check_megatron_args(args)
+    settings = load_settings(args.flexsp_config)
+    driver = StepDriver(args, settings, on_cpu=on_cpu)
+
+    def datasets_provider(*_args, **_kwargs):
+        return driver.data_iterator(), None, None
+
+    datasets_provider.is_distributed = True
+    provider = partial(model_provider, settings=settings, flexsp=driver.flexsp, backend=driver.backend)
+    active = [schedule_patch(driver)]
+    patches.apply(active)
+    try:
+        pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider,
+                 ModelType.encoder_or_decoder, forward_step, model_provider=provider)
+    finally:
+        patches.revert(active)
+    return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 ``SPGroupPool`` creates a process group for every node-aligned block a plan may use
 (:func:`megatron_flexsp.topology.all_group_blocks`), runs one warm-up collective on each group this
 rank belongs to (communicators are created lazily; a first use mid-step would stall), and afterwards
-only looks groups up. Size-1 groups need no communicator and are represented by ``None``.
+only looks groups up. Size-1 groups need no communicator and are represented by ``None``, unless
+``singletons`` asks for real one-rank groups (Megatron's THD RoPE reads size and rank from a group).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ class SPGroupPool:
     """Every candidate group of ``sizes`` on ``cluster``; collective: call on all ranks alike."""
 
     def __init__(self, cluster: ClusterSpec, sizes: list[int], *, warmup: bool = True,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, singletons: bool = False) -> None:
         if not dist.is_initialized():
             raise RuntimeError("SPGroupPool needs torch.distributed to be initialised first")
         world = dist.get_world_size()
@@ -27,15 +28,16 @@ class SPGroupPool:
         self.cluster = cluster
         self.rank = dist.get_rank()
         self._groups: dict[tuple[int, ...], object] = {}
-        for block in all_group_blocks(cluster, sizes):
-            if len(block) == 1:
+        blocks = all_group_blocks(cluster, sorted(set(sizes) | ({1} if singletons else set())))
+        for block in blocks:
+            if len(block) == 1 and not singletons:
                 self._groups[block] = None
                 continue
             self._groups[block] = dist.new_group(list(block))  # every rank, same order
         if warmup:
             dev = device or torch.device("cpu")
             for block, group in self._groups.items():
-                if group is not None and self.rank in block:
+                if group is not None and self.rank in block and len(block) > 1:
                     dist.all_reduce(torch.ones(1, device=dev), group=group)
 
     def get(self, ranks: tuple[int, ...] | list[int]):

@@ -16,9 +16,12 @@ from megatron_flexsp.runtime.layout import GroupLayout
 
 
 def ulysses_attention(q_tNH: torch.Tensor, k_tKH: torch.Tensor, v_tKH: torch.Tensor, *, group,
-                      layout: GroupLayout, backend: str = "sdpa", kv_replication: bool = False
-                      ) -> torch.Tensor:
-    """Attention of the group's packed sequences; ``group`` is this micro-batch's process group."""
+                      layout: GroupLayout, backend: str = "sdpa", kv_replication: bool = False,
+                      scale: float | None = None) -> torch.Tensor:
+    """Attention of the group's packed sequences; ``group`` is this micro-batch's process group.
+
+    ``scale``: softmax scale (default ``1/sqrt(H)``).
+    """
     d = layout.size
     counts = layout.token_counts
     N, K = q_tNH.shape[1], k_tKH.shape[1]
@@ -42,5 +45,6 @@ def ulysses_attention(q_tNH: torch.Tensor, k_tKH: torch.Tensor, v_tKH: torch.Ten
         k_TnH = seq_to_head(k_tKH, group=group, token_counts=counts)
         v_TnH = seq_to_head(v_tKH, group=group, token_counts=counts)
     nat = [layout.to_natural(x) for x in (q_TnH, k_TnH, v_TnH)]
-    o_TnH = varlen_causal_attention(*nat, layout.cu_seqlens.to(q_tNH.device), backend=backend)
+    o_TnH = varlen_causal_attention(*nat, layout.cu_seqlens.to(q_tNH.device), backend=backend,
+                                   scale=scale)
     return head_to_seq(layout.to_gathered(o_TnH), group=group, token_counts=counts)

@@ -1,0 +1,131 @@
+"""Our command-line flags (through Megatron's ``extra_args_provider``) and their checks.
+
+The set is small and fixed (:data:`FLEXSP_FLAGS`; a test fails when it changes without the list).
+Planner, cost-model and runtime settings that are rarely changed live in the YAML file given by
+``--flexsp-config`` (sections ``planner``: :class:`PlannerConfig` fields; ``runtime``:
+``attention_backend``, ``kv_replication``).
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_flexsp.config import OVER_LENGTH_POLICIES, PlannerConfig
+from megatron_flexsp.integration.cpu_mode import CPU_MODES
+from megatron_flexsp.runtime.attention import BACKENDS
+
+#: Every flag this plugin adds to Megatron's parser.
+FLEXSP_FLAGS = ("--flexsp", "--flexsp-config", "--flexsp-profile", "--flexsp-over-length",
+                "--flexsp-cpu", "--flexsp-gpus-per-node", "--flexsp-plan-dir")
+
+ATTENTION_BACKENDS = ("auto",) + BACKENDS
+
+
+def add_flexsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Megatron ``extra_args_provider``: adds :data:`FLEXSP_FLAGS`."""
+    g = parser.add_argument_group("flexsp", "heterogeneous sequence parallelism (megatron-flexsp)")
+    g.add_argument("--flexsp", action="store_true",
+                   help="plan every global batch into heterogeneous Ulysses groups (Megatron sees "
+                        "TP=PP=CP=1 and DP=world size)")
+    g.add_argument("--flexsp-config", type=str, default=None,
+                   help="YAML with 'planner' and 'runtime' sections (see configs/flexsp_default.yaml)")
+    g.add_argument("--flexsp-profile", type=str, default=None,
+                   help="cost profile: a name in configs/profiles or a JSON path (default: "
+                        "cpu-gloo-demo in CPU mode, else h200-estimate)")
+    g.add_argument("--flexsp-over-length", choices=OVER_LENGTH_POLICIES, default="truncate",
+                   help="documents longer than --seq-length (+1 for the label shift): truncate, "
+                        "drop (counted) or error")
+    g.add_argument("--flexsp-cpu", choices=CPU_MODES, default="auto",
+                   help="CPU mode for Megatron (auto: on when CUDA is absent)")
+    g.add_argument("--flexsp-gpus-per-node", type=int, default=None,
+                   help="ranks per node for node-aligned groups (default: the profile's, capped at "
+                        "the world size)")
+    g.add_argument("--flexsp-plan-dir", type=str, default=None,
+                   help="where rank 0 writes plans.jsonl, steps.jsonl and a plan picture (default: "
+                        "<--save>/flexsp, else ./flexsp_out)")
+    return parser
+
+
+@dataclass(frozen=True)
+class RuntimeSettings:
+    attention_backend: str = "auto"
+    kv_replication: bool = False
+
+    def __post_init__(self) -> None:
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"runtime.attention_backend={self.attention_backend!r} must be one of "
+                             f"{ATTENTION_BACKENDS}")
+
+    def backend(self, on_cpu: bool) -> str:
+        """The attention backend to use: ``auto`` is ``sdpa`` on CPU and ``flash`` on GPU."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        return "sdpa" if on_cpu else "flash"
+
+
+@dataclass(frozen=True)
+class FlexSPSettings:
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+
+
+def load_settings(path: str | None) -> FlexSPSettings:
+    """Read ``--flexsp-config`` (``None``: defaults); unknown sections or keys raise ``ValueError``."""
+    if path is None:
+        return FlexSPSettings()
+    import yaml
+
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"--flexsp-config {path!r} does not exist")
+    data = yaml.safe_load(p.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"--flexsp-config {path!r}: expected a mapping, got {type(data).__name__}")
+    unknown = set(data) - {"planner", "runtime"}
+    if unknown:
+        raise ValueError(f"--flexsp-config {path!r}: unknown section(s) {sorted(unknown)}; "
+                         f"expected 'planner' and 'runtime'")
+    runtime = data.get("runtime") or {}
+    bad = set(runtime) - {"attention_backend", "kv_replication"}
+    if bad:
+        raise ValueError(f"--flexsp-config {path!r}: unknown runtime key(s) {sorted(bad)}")
+    return FlexSPSettings(PlannerConfig.from_dict(dict(data.get("planner") or {})),
+                          RuntimeSettings(**runtime))
+
+
+# (attribute, bad-value predicate, what to say)
+_UNSUPPORTED = (
+    ("pipeline_model_parallel_size", lambda v: v not in (None, 1), "pipeline parallelism"),
+    ("virtual_pipeline_model_parallel_size", lambda v: v not in (None, 1), "virtual pipeline stages"),
+    ("tensor_model_parallel_size", lambda v: v not in (None, 1),
+     "tensor parallelism (not supported together with --flexsp yet)"),
+    ("context_parallel_size", lambda v: v not in (None, 1),
+     "Megatron context parallelism (--flexsp forms its own sequence-parallel groups)"),
+    ("hybrid_context_parallel", bool, "Megatron's hybrid/dynamic context parallelism"),
+    ("expert_model_parallel_size", lambda v: v not in (None, 1), "expert parallelism"),
+    ("num_experts", lambda v: v not in (None, 0), "mixture of experts"),
+    ("sequence_parallel", bool, "Megatron sequence parallelism (needs tensor parallelism)"),
+    ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs"),
+    ("micro_batch_size", lambda v: v not in (None, 1),
+     "--micro-batch-size other than 1 (FlexSP forms its own micro-batches)"),
+)
+
+
+def check_megatron_args(args) -> None:
+    """Refuse Megatron options our data path or ``--flexsp`` cannot honour, naming the option."""
+    problems = []
+    if not getattr(args, "calculate_per_token_loss", False):
+        problems.append("--calculate-per-token-loss is required (per-token loss over the global batch)")
+    if getattr(args, "dataloader_type", None) != "external":
+        problems.append(f"--dataloader-type {args.dataloader_type} (this script's document sampler "
+                        f"needs 'external')")
+    if getattr(args, "flexsp", False):
+        for attr, bad, what in _UNSUPPORTED:
+            value = getattr(args, attr, None)
+            if bad(value):
+                problems.append(f"--{attr.replace('_', '-')}={value}: {what}")
+    if problems:
+        raise ValueError("unsupported Megatron options" + (" with --flexsp" if args.flexsp else "")
+                         + ":\n  " + "\n  ".join(problems))

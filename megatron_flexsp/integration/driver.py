@@ -1,0 +1,227 @@
+"""One training step of ``pretrain_gpt_flexsp.py``: global batch -> plan -> micro-batches -> Megatron.
+
+:class:`StepDriver` owns the document sampler, the cost model, the group pool and the
+context-parallel switch. Its :meth:`forward_backward` replaces Megatron's schedule function (see
+:mod:`patches.schedule`): it takes one global batch from the data iterator, plans it (rank 0 solves,
+the plan is broadcast), dispatches every rank its shards, and runs Megatron's no-pipelining schedule
+over this rank's micro-batches. Without ``--flexsp`` the same driver packs each rank's documents into
+rows (the plain-Megatron baseline). Rank 0 appends one JSON line per step to ``steps.jsonl``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_flexsp.cost_model import CostModel, load_profile
+from megatron_flexsp.integration.args import FlexSPSettings
+from megatron_flexsp.integration.data import DocumentSampler, DocumentSource, open_indexed
+from megatron_flexsp.integration.microbatches import (flexsp_micro_batches, placeholder_micro_batch,
+                                                      plain_micro_batches)
+from megatron_flexsp.model_spec import ModelSpec
+from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.planner import plan_step
+from megatron_flexsp.runtime.groups import SPGroupPool
+from megatron_flexsp.runtime.plan_check import check_plan
+from megatron_flexsp.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+def model_spec_from_args(args) -> ModelSpec:
+    """The cost model's description of the Megatron model in ``args`` (name ``gpt-<L>x<h>-<a>h``)."""
+    heads = args.num_attention_heads
+    return ModelSpec(f"gpt-{args.num_layers}x{args.hidden_size}-{heads}h", args.num_layers,
+                     args.hidden_size, heads,
+                     num_kv_heads=args.num_query_groups if args.group_query_attention else heads,
+                     ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
+                     dtype_bytes=2 if (args.bf16 or args.fp16) else 4, swiglu=bool(args.swiglu),
+                     learned_positions=args.position_embedding_type == "learned_absolute")
+
+
+def data_prefixes(args) -> list[str]:
+    """``--data-path`` as a list of prefixes; weighted blends are refused."""
+    paths = list(args.data_path or [])
+    if not paths:
+        raise ValueError("--data-path is required (a Megatron indexed dataset prefix)")
+    try:
+        float(paths[0])
+        raise ValueError(f"--data-path {' '.join(paths)}: weighted blends are not supported by the "
+                         f"document sampler; give one or more unweighted prefixes")
+    except ValueError as exc:
+        if "blends" in str(exc):
+            raise
+    return paths
+
+
+class _SwitchingIterator:
+    """Yields micro-batches and makes each one's group the context-parallel group as it is taken."""
+
+    def __init__(self, items, switch) -> None:
+        self._items, self._switch, self._next = items, switch, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._next >= len(self._items):
+            raise StopIteration
+        item = self._items[self._next]
+        self._next += 1
+        if item.packed_seq_params is not None and self._switch is not None:
+            self._switch.use(item.group, item.ranks)
+        return item
+
+
+class StepDriver:
+    """Everything a step needs besides the model; create it on every rank alike."""
+
+    def __init__(self, args, settings: FlexSPSettings, *, on_cpu: bool) -> None:
+        self.args, self.settings, self.on_cpu = args, settings, on_cpu
+        self.flexsp = bool(args.flexsp)
+        self.source = DocumentSource(open_indexed(data_prefixes(args)))
+        self.sampler = DocumentSampler(self.source.lengths, global_batch=args.global_batch_size,
+                                       seq_length=args.seq_length, seed=args.seed,
+                                       over_length=args.flexsp_over_length)
+        self.cm: CostModel | None = None
+        if self.flexsp:
+            profile = load_profile(args.flexsp_profile or ("cpu-gloo-demo" if on_cpu else "h200-estimate"))
+            world = args.world_size
+            if world % profile.gpus_per_node and world > profile.gpus_per_node:
+                raise ValueError(f"world size {world} is not a multiple of the profile's "
+                                 f"gpus_per_node={profile.gpus_per_node}")
+            self.cm = CostModel.from_profile(
+                profile, model_spec_from_args(args), num_gpus=world, max_seq_len=args.seq_length,
+                allow_kv_replication=settings.runtime.kv_replication)
+            if args.seq_length > self.cm.max_tokens:
+                raise ValueError(f"--seq-length {args.seq_length} is longer than the {world} ranks can "
+                                 f"hold ({self.cm.max_tokens} tokens with profile {profile.name!r}); "
+                                 f"lower --seq-length or add ranks")
+        self.backend = settings.runtime.backend(on_cpu)
+        self.pool = None
+        self.switch = None
+        self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
+                                                     else "flexsp_out"))
+        self._pictured = False
+
+    # ------------------------------------------------------------------ data
+    def data_iterator(self):
+        """Global batches from Megatron's consumed-sample count on (resume continues the stream)."""
+        first = self.args.consumed_train_samples // self.args.global_batch_size
+        rank, world = dist.get_rank(), dist.get_world_size()
+        acct = self.sampler.acct
+        log.info("documents: %d, usable %d, truncated %d (%d tokens), dropped %d short / %d long; "
+                 "starting at global batch %d", acct.num_documents, acct.usable_documents,
+                 acct.truncated_documents, acct.truncated_tokens, acct.dropped_too_short,
+                 acct.dropped_too_long, first)
+        step = first
+        while True:
+            yield self.sampler.batch(step, self.source, rank=rank, world=world)
+            step += 1
+
+    # ------------------------------------------------------------------ setup on first step
+    def _setup(self, model) -> None:
+        from patches.context_parallel import ContextParallelSwitch
+
+        self.switch = ContextParallelSwitch(model)
+        if self.flexsp:
+            self.pool = SPGroupPool(self.cm.cluster, self.cm.sizes, singletons=True,
+                                    device=torch.device("cpu") if self.on_cpu else None)
+            log.info("group pool: sizes %s on %d ranks (%d per node), attention %s",
+                     self.cm.sizes, self.cm.cluster.num_gpus, self.cm.cluster.gpus_per_node,
+                     self.backend)
+
+    def _plan(self, batch) -> tuple[StepPlan, float]:
+        t0 = time.perf_counter()
+        payload = [None]
+        if dist.get_rank() == 0:
+            plan = plan_step(batch.lengths, self.cm, strategy="flexsp", config=self.settings.planner,
+                             max_seq_len=self.args.seq_length)
+            payload = [plan.to_json()]
+        dist.broadcast_object_list(payload, src=0)
+        plan = StepPlan.from_json(payload[0])
+        model = self.cm.model
+        check_plan(plan, self.pool, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+                   kv_replication=self.settings.runtime.kv_replication)
+        return plan, time.perf_counter() - t0
+
+    # ------------------------------------------------------------------ the step
+    def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
+                         seq_length, micro_batch_size, forward_only=False, **kwargs):
+        """Drop-in for Megatron's schedule function (``num_microbatches`` comes from the data)."""
+        from patches.schedule import megatron_no_pipelining
+
+        chunks = model if isinstance(model, list) else [model]
+        if self.switch is None:
+            self._setup(chunks)
+        batch = next(data_iterator)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+        plan, plan_s, dispatch_s, placeholder = None, 0.0, 0.0, False
+        if self.flexsp:
+            plan, plan_s = self._plan(batch)
+            items, dispatch_s = flexsp_micro_batches(plan, batch, pool=self.pool, rank=rank, world=world,
+                                                     max_position=self.args.max_position_embeddings,
+                                                     device=device)
+            if not items:
+                items, placeholder = [placeholder_micro_batch(rank, self.pool.get((rank,)), device)], True
+        else:
+            items = plain_micro_batches(batch, rank=rank, world=world, seq_length=self.args.seq_length,
+                                        micro_batch_size=self.args.micro_batch_size, device=device)
+        t0 = time.perf_counter()
+        try:
+            out = megatron_no_pipelining()(
+                forward_step_func=forward_step_func, data_iterator=_SwitchingIterator(items, self.switch),
+                model=model, num_microbatches=len(items), seq_length=seq_length,
+                micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
+        finally:
+            self.switch.restore()
+        run_s = time.perf_counter() - t0
+        self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, placeholder)
+        return out
+
+    def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, placeholder) -> None:
+        sums = torch.zeros(3, dtype=torch.float64)
+        for d in out or []:
+            v = d["lm loss"].detach().view(-1).double().cpu()
+            sums[0] += v[0]
+            sums[1] += v[1]
+        sums[2] = float(placeholder)
+        worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items)], dtype=torch.float64)
+        dist.all_reduce(sums)
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        if dist.get_rank() != 0:
+            return
+        rec = {"step": batch.step, "mode": "flexsp" if self.flexsp else "plain",
+               "loss": float(sums[0] / max(sums[1], 1.0)), "tokens": int(sums[1]),
+               "documents": len(batch.lengths), "truncated": batch.truncated,
+               "run_ms": 1e3 * float(worst[0]), "plan_wait_ms": 1e3 * float(worst[1]),
+               "dispatch_ms": 1e3 * float(worst[2]), "max_micro_batches_per_rank": int(worst[3]),
+               "idle_ranks": int(sums[2])}
+        if plan is not None:
+            rec.update(predicted_ms=plan.predicted_step_ms,
+                       gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,
+                       group_sizes=plan.group_sizes, solve_s=plan.solve_time_s)
+            log.info("flexsp step %d: %d micro-batches, groups %s, predicted %.0f ms, measured %.0f ms "
+                     "(plan wait %.0f ms, dispatch %.0f ms), loss %.4f", batch.step,
+                     len(plan.micro_batches), plan.group_sizes, plan.predicted_step_ms, rec["run_ms"],
+                     rec["plan_wait_ms"], rec["dispatch_ms"], rec["loss"])
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "steps.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if plan is not None:
+            with open(self.out_dir / "plans.jsonl", "a") as f:
+                f.write(plan.to_json() + "\n")
+            if not self._pictured:
+                from megatron_flexsp.viz import plot_plan
+
+                path = self.out_dir / f"plan_step{batch.step}.png"
+                plot_plan(plan, self.cm, str(path), title=f"step {batch.step}: "
+                          f"{len(batch.lengths)} documents on {plan.num_gpus} ranks")
+                log.info("plan picture: %s", path)
+                self._pictured = True
+

@@ -1,0 +1,101 @@
+"""Megatron patches for CPU mode (applied only by :mod:`megatron_flexsp.integration.cpu_mode`).
+
+- ``model_parallel_cuda_manual_seed``: installs :class:`CpuRNGStatesTracker` (same named states and
+  seeds as Megatron's, held as CPU generator states) instead of asserting on CUDA.
+- ``megatron.training.training.initialize_megatron``: called with ``allow_no_cuda=True``.
+- ``megatron.core.datasets.utils.compile_helpers``: no-op (the wheel ships the built helpers and
+  no Makefile).
+- ``megatron.training.initialize._warmup_jit_function``: no-op (19 s on CPU, and it draws from the
+  RNG: compared runs must agree on skipping it, and CPU mode always skips it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from patches import Patch
+
+
+def _cpu_tracker_class():
+    from megatron.core.tensor_parallel.random import CudaRNGStatesTracker
+
+    class CpuRNGStatesTracker(CudaRNGStatesTracker):
+        """Megatron's RNG tracker with CPU generator states: ``fork`` swaps torch's CPU RNG."""
+
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(int(seed)).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name="model-parallel-rng"):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            outer = torch.get_rng_state()
+            torch.set_rng_state(self.states_[name])
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                torch.set_rng_state(outer)
+
+    return CpuRNGStatesTracker
+
+
+def _make_seed(original):
+    def model_parallel_cuda_manual_seed(seed, te_rng_tracker=False, inference_rng_tracker=False,
+                                        use_cudagraphable_rng=False, tp_rank=None, ep_rank=None,
+                                        etp_rank=None, force_reset_rng=False):
+        from megatron.core import parallel_state as ps
+        from megatron.core.tensor_parallel import random as rnd
+
+        tp_rank = ps.get_tensor_model_parallel_rank() if tp_rank is None else tp_rank
+        ep_rank = ps.get_expert_model_parallel_rank() if ep_rank is None else ep_rank
+        etp_rank = ps.get_expert_tensor_parallel_rank() if etp_rank is None else etp_rank
+        tracker = _cpu_tracker_class()()
+        rnd._CUDA_RNG_STATE_TRACKER = tracker
+        rnd._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+        torch.cuda.manual_seed(seed)
+        tracker.add(rnd._DATA_PARALLEL_RNG_TRACKER_NAME, seed)
+        tracker.add(rnd._MODEL_PARALLEL_RNG_TRACKER_NAME, seed + 2718 + tp_rank)
+        tracker.add(rnd._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + (etp_rank or 0))
+
+    return model_parallel_cuda_manual_seed
+
+
+def _make_init(original):
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    return initialize_megatron
+
+
+def _make_noop(original):
+    def noop(*args, **kwargs):
+        return None
+
+    return noop
+
+
+_SEED_PARAMS = ("seed", "tp_rank", "ep_rank", "etp_rank")
+
+
+def cpu_patches() -> list[Patch]:
+    """Fresh patch objects for CPU mode (apply with :func:`patches.apply`)."""
+    return [
+        Patch("megatron.core.tensor_parallel.random", "model_parallel_cuda_manual_seed", _make_seed,
+              expect_params=_SEED_PARAMS),
+        Patch("megatron.core.tensor_parallel", "model_parallel_cuda_manual_seed", _make_seed,
+              expect_params=_SEED_PARAMS),
+        Patch("megatron.training.training", "initialize_megatron", _make_init,
+              expect_params=("allow_no_cuda",)),
+        Patch("megatron.core.datasets.utils", "compile_helpers", _make_noop),
+        Patch("megatron.training.initialize", "_warmup_jit_function", _make_noop),
+    ]
