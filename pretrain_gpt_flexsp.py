@@ -104,6 +104,7 @@ def main(argv: list[str]) -> int:
     import patches
     from megatron_flexsp.integration.args import add_flexsp_args, check_megatron_args, load_settings
     from megatron_flexsp.integration.driver import StepDriver
+    from patches.distrib_optimizer import distrib_optimizer_patches
     from patches.schedule import schedule_patch
 
     args = parse_and_validate_args(extra_args_provider=add_flexsp_args,
@@ -117,7 +118,7 @@ def main(argv: list[str]) -> int:
 
     datasets_provider.is_distributed = True
     provider = partial(model_provider, settings=settings, flexsp=driver.flexsp, backend=driver.backend)
-    active = [schedule_patch(driver)]
+    active = [schedule_patch(driver), *distrib_optimizer_patches()]
     patches.apply(active)
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider,

@@ -17,7 +17,11 @@ from typing import Any, Callable
 
 @dataclass
 class Patch:
-    """Replace ``module.attribute`` with ``make(original)``."""
+    """Replace ``module.attribute`` with ``make(original)``.
+
+    ``attribute`` may be dotted (``"Class.method"``): the last part is replaced on the object the
+    earlier parts name.
+    """
 
     module: str
     attribute: str
@@ -47,9 +51,11 @@ class Patch:
         except ImportError as exc:
             raise RuntimeError(f"patch target {self.target}: cannot import {self.module} "
                                f"({exc}); installed: {self._version()}") from exc
-        if not hasattr(mod, self.attribute):
+        owner = self._owner(mod)
+        name = self.attribute.split(".")[-1]
+        if owner is None or name not in vars(owner) and not hasattr(owner, name):
             raise RuntimeError(f"patch target {self.target} does not exist in {self._version()}")
-        original = getattr(mod, self.attribute)
+        original = getattr(owner, name)
         if self.expect_params:
             try:
                 params = set(inspect.signature(original).parameters)
@@ -61,13 +67,22 @@ class Patch:
                                    f"{self._version()}; this plugin was written against other "
                                    f"signatures")
         self._original = original
-        setattr(mod, self.attribute, self.make(original))
+        setattr(owner, name, self.make(original))
         self._applied = True
+
+    def _owner(self, mod):
+        obj = mod
+        for part in self.attribute.split(".")[:-1]:
+            obj = getattr(obj, part, None)
+            if obj is None:
+                return None
+        return obj
 
     def revert(self) -> None:
         if not self._applied:
             return
-        setattr(importlib.import_module(self.module), self.attribute, self._original)
+        owner = self._owner(importlib.import_module(self.module))
+        setattr(owner, self.attribute.split(".")[-1], self._original)
         self._original, self._applied = None, False
 
     @property

@@ -2,8 +2,9 @@
 
 The set is small and fixed (:data:`FLEXSP_FLAGS`; a test fails when it changes without the list).
 Planner, cost-model and runtime settings that are rarely changed live in the YAML file given by
-``--flexsp-config`` (sections ``planner``: :class:`PlannerConfig` fields; ``runtime``:
-``attention_backend``, ``kv_replication``).
+``--flexsp-config`` (sections ``planner``: ``strategy`` (:data:`STRATEGIES`; ``flexsp`` by default,
+the others are the baselines) and :class:`PlannerConfig` fields; ``runtime``: ``attention_backend``,
+``kv_replication``).
 """
 
 from __future__ import annotations
@@ -12,13 +13,13 @@ import argparse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_flexsp.config import OVER_LENGTH_POLICIES, PlannerConfig
+from megatron_flexsp.config import OVER_LENGTH_POLICIES, STRATEGIES, PlannerConfig
 from megatron_flexsp.integration.cpu_mode import CPU_MODES
 from megatron_flexsp.runtime.attention import BACKENDS
 
 #: Every flag this plugin adds to Megatron's parser.
 FLEXSP_FLAGS = ("--flexsp", "--flexsp-config", "--flexsp-profile", "--flexsp-over-length",
-                "--flexsp-cpu", "--flexsp-gpus-per-node", "--flexsp-plan-dir")
+                "--flexsp-cpu", "--flexsp-plan-dir")
 
 ATTENTION_BACKENDS = ("auto",) + BACKENDS
 
@@ -39,9 +40,6 @@ def add_flexsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "drop (counted) or error")
     g.add_argument("--flexsp-cpu", choices=CPU_MODES, default="auto",
                    help="CPU mode for Megatron (auto: on when CUDA is absent)")
-    g.add_argument("--flexsp-gpus-per-node", type=int, default=None,
-                   help="ranks per node for node-aligned groups (default: the profile's, capped at "
-                        "the world size)")
     g.add_argument("--flexsp-plan-dir", type=str, default=None,
                    help="where rank 0 writes plans.jsonl, steps.jsonl and a plan picture (default: "
                         "<--save>/flexsp, else ./flexsp_out)")
@@ -69,6 +67,11 @@ class RuntimeSettings:
 class FlexSPSettings:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
+    strategy: str = "flexsp"
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"planner.strategy={self.strategy!r} must be one of {STRATEGIES}")
 
 
 def load_settings(path: str | None) -> FlexSPSettings:
@@ -91,8 +94,9 @@ def load_settings(path: str | None) -> FlexSPSettings:
     bad = set(runtime) - {"attention_backend", "kv_replication"}
     if bad:
         raise ValueError(f"--flexsp-config {path!r}: unknown runtime key(s) {sorted(bad)}")
-    return FlexSPSettings(PlannerConfig.from_dict(dict(data.get("planner") or {})),
-                          RuntimeSettings(**runtime))
+    planner = dict(data.get("planner") or {})
+    strategy = planner.pop("strategy", "flexsp")
+    return FlexSPSettings(PlannerConfig.from_dict(planner), RuntimeSettings(**runtime), strategy)
 
 
 # (attribute, bad-value predicate, what to say)

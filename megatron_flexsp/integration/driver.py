@@ -139,7 +139,8 @@ class StepDriver:
         t0 = time.perf_counter()
         payload = [None]
         if dist.get_rank() == 0:
-            plan = plan_step(batch.lengths, self.cm, strategy="flexsp", config=self.settings.planner,
+            plan = plan_step(batch.lengths, self.cm, strategy=self.settings.strategy,
+                             config=self.settings.planner,
                              max_seq_len=self.args.seq_length)
             payload = [plan.to_json()]
         dist.broadcast_object_list(payload, src=0)
@@ -196,7 +197,7 @@ class StepDriver:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if dist.get_rank() != 0:
             return
-        rec = {"step": batch.step, "mode": "flexsp" if self.flexsp else "plain",
+        rec = {"step": batch.step, "mode": self.settings.strategy if self.flexsp else "plain",
                "loss": float(sums[0] / max(sums[1], 1.0)), "tokens": int(sums[1]),
                "documents": len(batch.lengths), "truncated": batch.truncated,
                "run_ms": 1e3 * float(worst[0]), "plan_wait_ms": 1e3 * float(worst[1]),
@@ -206,8 +207,8 @@ class StepDriver:
             rec.update(predicted_ms=plan.predicted_step_ms,
                        gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,
                        group_sizes=plan.group_sizes, solve_s=plan.solve_time_s)
-            log.info("flexsp step %d: %d micro-batches, groups %s, predicted %.0f ms, measured %.0f ms "
-                     "(plan wait %.0f ms, dispatch %.0f ms), loss %.4f", batch.step,
+            log.info("%s step %d: %d micro-batches, groups %s, predicted %.0f ms, measured %.0f ms "
+                     "(plan wait %.0f ms, dispatch %.0f ms), loss %.4f", rec["mode"], batch.step,
                      len(plan.micro_batches), plan.group_sizes, plan.predicted_step_ms, rec["run_ms"],
                      rec["plan_wait_ms"], rec["dispatch_ms"], rec["loss"])
         self.out_dir.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,66 @@
+"""Two megatron-core 0.19 ``DistributedOptimizer`` bugs on the resume path with torch's Adam.
+
+Without apex or Transformer Engine (CPU, or a GPU install without them) Megatron falls back to
+``torch.optim.AdamW``, and resuming from a checkpoint with ``--use-distributed-optimizer``:
+
+1. ``_set_main_param_and_optimizer_states`` copies the saved main parameters in place into views of
+   leaf tensors that require grad, outside ``no_grad`` ("a view of a leaf Variable that requires
+   grad is being used in an in-place operation"), and looks up torch Adam's ``step`` among the saved
+   per-parameter tensors, which never hold it (``KeyError: 'step'``): the load crashes. Fixed by
+   running it under ``torch.no_grad()`` with ``step`` marked as not saved there (the step count is
+   restored by ``load_state_dict``).
+2. ``load_state_dict`` gives every parameter's Adam state the *same* ``step`` tensor; torch's Adam
+   increments it once per parameter per step, so after a resume the bias correction is silently
+   wrong (the step count races ahead by the number of parameters each iteration). Fixed by giving
+   each parameter its own copy after loading.
+
+(A third one, an assertion on empty optimizer state when loading ``torch_dist`` checkpoints, is not
+patched: use ``--ckpt-format torch``.)
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from patches import Patch
+
+_MODULE = "megatron.core.optimizer.distrib_optimizer"
+
+
+def _make_no_grad(original):
+    @functools.wraps(original)
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        if "step" not in tensors:
+            tensors = {**tensors, "step": None}  # non-tensor entries are skipped by the original
+        with torch.no_grad():
+            return original(self, model_param, tensors)
+
+    return _set_main_param_and_optimizer_states
+
+
+def _make_unshared_step(original):
+    @functools.wraps(original)
+    def load_state_dict(self, state_dict):
+        out = original(self, state_dict)
+        seen = set()
+        for state in self.optimizer.state.values():
+            step = state.get("step")
+            if isinstance(step, torch.Tensor):
+                if id(step) in seen:
+                    state["step"] = step.detach().clone()
+                seen.add(id(state["step"]))
+        return out
+
+    return load_state_dict
+
+
+def distrib_optimizer_patches() -> list[Patch]:
+    """Fresh patch objects for both fixes (apply with :func:`patches.apply`)."""
+    return [
+        Patch(_MODULE, "DistributedOptimizer._set_main_param_and_optimizer_states", _make_no_grad,
+              expect_params=("self", "model_param", "tensors")),
+        Patch(_MODULE, "DistributedOptimizer.load_state_dict", _make_unshared_step,
+              expect_params=("self", "state_dict")),
+    ]

@@ -1,0 +1,71 @@
+"""Launch ``pretrain_gpt_flexsp.py`` with torchrun on CPU and read back what it recorded.
+
+Shared by the integration tests and ``scripts/bench_megatron.py``: a small demo dataset, the tiny
+model's Megatron arguments (``scripts/tiny_gpt_args.sh``), per-step records (``steps.jsonl``) and
+Megatron's own iteration log (loss and grad norm per iteration).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+) .*?grad norm: ([0-9.]+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def build_dataset(prefix: Path, max_docs: int = 400) -> Path:
+    """A small indexed dataset of real documents (first ``max_docs`` stdlib definitions)."""
+    if not Path(str(prefix) + ".idx").exists():
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_demo_data.py"), "--out",
+                        str(prefix), "--max-docs", str(max_docs)], check=True, cwd=ROOT,
+                       capture_output=True, text=True)
+    return prefix
+
+
+def tiny_args(seq_length: int = 1024, gbs: int = 8, seed: int = 1234) -> list[str]:
+    env = dict(os.environ, SEQ_LENGTH=str(seq_length), GBS=str(gbs), SEED=str(seed))
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "tiny_gpt_args.sh")], env=env,
+                         capture_output=True, text=True, check=True)
+    return shlex.split(out.stdout)
+
+
+@dataclass
+class RunResult:
+    returncode: int
+    log: str
+    steps: list[dict]
+    iterations: dict[int, tuple[float, float]]  # Megatron iteration -> (lm loss, grad norm)
+
+
+def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
+                 seq_length: int = 1024, gbs: int = 8, timeout: int = 600) -> RunResult:
+    """One torchrun launch of the entry script; never raises on a failed run (see ``returncode``)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "pretrain_gpt_flexsp.py"), *tiny_args(seq_length, gbs), "--data-path", str(data),
+           "--train-iters", str(steps), "--flexsp-plan-dir", str(out_dir), *extra]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    text = proc.stdout + proc.stderr
+    (out_dir / "run.log").write_text(text)
+    records = []
+    path = out_dir / "steps.jsonl"
+    if path.exists():
+        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    iters = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in _ITER.finditer(text)}
+    return RunResult(proc.returncode, text, records, iters)
