@@ -1,15 +1,19 @@
-"""pretrain_gpt_flexsp.py: plan-only mode works; training (issue 4) refuses clearly, exit 2."""
+"""pretrain_gpt_flexsp.py: plan-only mode, and bad input refused before any training starts."""
 
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(args, tmp_path):
     return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_flexsp.py"), *args], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300,
+                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
+                               "CUDA_VISIBLE_DEVICES": ""})
 
 
 def test_plan_only_mode_plans(tmp_path):
@@ -22,7 +26,19 @@ def test_plan_only_mode_plans(tmp_path):
     assert "step ms" in out.stdout
 
 
-def test_training_is_refused_with_a_reason(tmp_path):
-    out = _run(["--num-layers", "2"], tmp_path)
-    assert out.returncode == 2
-    assert "--flexsp-plan-only" in out.stderr
+@pytest.mark.parametrize("extra, message", [
+    (["--data-path", "/nonexistent/docs"], "is not a Megatron indexed dataset"),
+    (["--data-path", "/x", "--tensor-model-parallel-size", "1", "--no-calculate-per-token-loss"],
+     None),
+])
+def test_bad_input_is_refused_with_the_value(tmp_path, extra, message):
+    pytest.importorskip("megatron.training")
+    from tests.integration.megatron_runs import tiny_args
+
+    args = [a for a in tiny_args() if not (a == "--calculate-per-token-loss" and
+                                           "--no-calculate-per-token-loss" in extra)]
+    extra = [a for a in extra if a != "--no-calculate-per-token-loss"]
+    out = _run(["--flexsp", *args, "--train-iters", "1", *extra], tmp_path)
+    assert out.returncode != 0
+    expected = message or "--calculate-per-token-loss is required"
+    assert expected in out.stderr, out.stderr[-3000:]

@@ -16,6 +16,7 @@ PURE = ["megatron_flexsp", "megatron_flexsp.config", "megatron_flexsp.model_spec
 LAYER0 = {"config", "model_spec", "plan", "topology", "utils"}
 LAYER1 = {"cost_model", "planner", "sim"}
 LAYER2 = {"runtime"}
+LAYER3 = {"integration"}  # with the top-level patches/ package: the only Megatron importers
 
 
 @pytest.mark.parametrize("module", PURE)
@@ -61,8 +62,11 @@ def test_no_upward_imports():
                     problems.append(f"{path}: layer-1 module imports {name}")
                 if top in LAYER2 and target not in LAYER0 | LAYER2:
                     problems.append(f"{path}: the runtime imports {name} (plans arrive as values)")
-            if parts[0] == "megatron" and top in LAYER2:
-                problems.append(f"{path}: the runtime imports {name}")
+            if parts[0] == "megatron" and top not in LAYER3:
+                problems.append(f"{path}: imports {name}; only integration/ and patches/ may")
+            if parts[0] == "megatron_flexsp" and len(parts) > 1 and parts[1] in LAYER3 \
+                    and top not in LAYER3:
+                problems.append(f"{path}: imports the integration layer ({name})")
     assert not problems, "\n".join(problems)
 
 

@@ -1,0 +1,153 @@
+"""Integration pieces that need no launch: flags, option checks, settings, sampler, packing, patches."""
+
+import argparse
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("torch")
+
+from megatron_flexsp.integration.args import (FLEXSP_FLAGS, add_flexsp_args,  # noqa: E402
+                                              check_megatron_args, load_settings)
+from megatron_flexsp.integration.data import DocumentSampler, GlobalBatch  # noqa: E402
+
+
+def test_flag_set_is_exactly_the_documented_one():
+    parser = add_flexsp_args(argparse.ArgumentParser())
+    added = {opt for a in parser._actions for opt in a.option_strings if opt.startswith("--flexsp")}
+    assert added == set(FLEXSP_FLAGS), "update FLEXSP_FLAGS (and the README flag table)"
+    assert set(FLEXSP_FLAGS) == {"--flexsp", "--flexsp-config", "--flexsp-profile",
+                                 "--flexsp-over-length", "--flexsp-cpu", "--flexsp-plan-dir"}
+
+
+def _args(**kw):
+    base = dict(flexsp=True, calculate_per_token_loss=True, dataloader_type="external",
+                pipeline_model_parallel_size=1, virtual_pipeline_model_parallel_size=None,
+                tensor_model_parallel_size=1, context_parallel_size=1, hybrid_context_parallel=False,
+                expert_model_parallel_size=1, num_experts=None, sequence_parallel=False,
+                cuda_graph_impl="none", micro_batch_size=1)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize("kw, named", [
+    ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size=2"),
+    ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size=2"),
+    ({"context_parallel_size": 4}, "--context-parallel-size=4"),
+    ({"cuda_graph_impl": "local"}, "--cuda-graph-impl=local"),
+    ({"num_experts": 8}, "--num-experts=8"),
+    ({"micro_batch_size": 2}, "--micro-batch-size=2"),
+    ({"calculate_per_token_loss": False}, "--calculate-per-token-loss is required"),
+    ({"dataloader_type": "single"}, "--dataloader-type single"),
+])
+def test_unsupported_options_are_refused_by_name(kw, named):
+    with pytest.raises(ValueError, match=named.replace("-", r"\-")):
+        check_megatron_args(_args(**kw))
+
+
+def test_plain_mode_allows_megatron_parallelism_options():
+    check_megatron_args(_args(flexsp=False, micro_batch_size=4))
+    check_megatron_args(_args())
+
+
+def test_settings_file(tmp_path):
+    cfg = tmp_path / "f.yaml"
+    cfg.write_text("planner:\n  strategy: batchada\n  num_buckets: 8\nruntime:\n  attention_backend: sdpa\n")
+    s = load_settings(str(cfg))
+    assert s.strategy == "batchada" and s.planner.num_buckets == 8 and s.runtime.backend(True) == "sdpa"
+    assert load_settings(None).runtime.backend(on_cpu=True) == "sdpa"
+    assert load_settings(None).runtime.backend(on_cpu=False) == "flash"
+    cfg.write_text("planner:\n  bogus: 1\n")
+    with pytest.raises(ValueError, match="bogus"):
+        load_settings(str(cfg))
+    cfg.write_text("runtime:\n  attention_backend: cuda-magic\n")
+    with pytest.raises(ValueError, match="cuda-magic"):
+        load_settings(str(cfg))
+    with pytest.raises(ValueError, match="does not exist"):
+        load_settings(str(tmp_path / "missing.yaml"))
+
+
+def test_sampler_uses_every_document_once_per_epoch_and_counts_what_it_cuts():
+    lens = np.array([1, 5, 50, 7, 300, 9, 2, 40, 11, 8])  # tokens per document
+    s = DocumentSampler(lens, global_batch=3, seq_length=32, seed=7)
+    assert s.acct.dropped_too_short == 1 and s.acct.truncated_documents == 3  # 50, 300, 40 > 33
+    assert s.acct.truncated_tokens == (50 - 33) + (300 - 33) + (40 - 33)
+    usable = s.acct.usable_documents
+    assert usable == 9
+    docs = np.concatenate([s.batch_docs(k)[0] for k in range(9)])  # 27 = 3 epochs of 9
+    for e in range(3):
+        assert sorted(docs[e * 9:(e + 1) * 9].tolist()) == sorted(s.usable.tolist())
+    assert not np.array_equal(docs[:9], docs[9:18])  # reshuffled per epoch
+    again = DocumentSampler(lens, global_batch=3, seq_length=32, seed=7)
+    assert np.array_equal(again.batch_docs(5)[0], s.batch_docs(5)[0])  # deterministic (resume)
+    b = s.batch(0)
+    assert b.lengths.max() <= 32 and (b.lengths == np.minimum(lens[b.doc_ids], 33) - 1).all()
+
+
+def test_sampler_policies():
+    lens = np.array([10, 100, 20])
+    drop = DocumentSampler(lens, global_batch=2, seq_length=32, seed=0, over_length="drop")
+    assert drop.acct.dropped_too_long == 1 and drop.acct.usable_documents == 2
+    with pytest.raises(ValueError, match="document 1 has 100 tokens"):
+        DocumentSampler(lens, global_batch=2, seq_length=32, seed=0, over_length="error")
+    with pytest.raises(ValueError, match="no usable documents"):
+        DocumentSampler(np.array([1, 1]), global_batch=2, seq_length=32, seed=0)
+
+
+def test_plain_packing_keeps_documents_whole_and_masks_across_them():
+    import torch
+
+    from megatron_flexsp.integration.microbatches import plain_micro_batches
+
+    lens = [5, 3, 7, 2]
+    loaded = {s: torch.stack([torch.arange(L) + 10 * s, torch.arange(L) + 10 * s + 1], 1)
+              for s, L in enumerate(lens)}
+    batch = GlobalBatch(0, np.arange(4), np.array(lens), np.zeros(4, int), 0, loaded)
+    items = plain_micro_batches(batch, rank=0, world=1, seq_length=8, micro_batch_size=1, device="cpu")
+    assert sum(int(i.loss_mask.sum()) for i in items) == sum(lens)
+    assert len(items) == 3  # 7 | 5+3 | 2
+    row = items[1]  # documents 0 (5 tokens) and 1 (3 tokens)
+    assert row.position_ids[0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    mask = row.attention_mask[0, 0]  # True = masked
+    assert not mask[4, 0] and mask[5, 4] and mask[0, 1] and not mask[7, 5]
+
+
+def test_distributed_optimizer_patches_apply_and_revert():
+    pytest.importorskip("megatron.core")
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    import patches
+    from patches.distrib_optimizer import distrib_optimizer_patches
+
+    before = DistributedOptimizer.load_state_dict
+    ps = distrib_optimizer_patches()
+    patches.apply(ps)
+    patches.apply(ps)  # idempotent
+    assert DistributedOptimizer.load_state_dict is not before
+    patches.revert(ps)
+    assert DistributedOptimizer.load_state_dict is before
+
+
+def test_cpu_mode_maps_cuda_to_cpu_and_turns_off():
+    import torch
+
+    from megatron_flexsp.integration.cpu_mode import (cpu_mode_active, disable_cpu_mode,
+                                                      enable_cpu_mode, resolve_cpu_mode)
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU mode is refused where CUDA exists")
+    assert resolve_cpu_mode("auto") is True
+    with pytest.raises(ValueError, match="--flexsp-cpu"):
+        resolve_cpu_mode("maybe")
+    enable_cpu_mode()
+    try:
+        assert cpu_mode_active()
+        x = torch.zeros(3, device="cuda")
+        assert x.device.type == "cpu" and x.type() == "torch.cuda.FloatTensor"
+        assert torch.cuda.device_count() == 1 and x.cuda() is x
+    finally:
+        disable_cpu_mode()
+    assert not cpu_mode_active()
+    with pytest.raises(RuntimeError):
+        torch.zeros(1, device="cuda")
