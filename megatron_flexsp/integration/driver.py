@@ -63,6 +63,7 @@ class _SwitchingIterator:
 
     def __init__(self, items, switch) -> None:
         self._items, self._switch, self._next = items, switch, 0
+        self.switch_s = 0.0
 
     def __iter__(self):
         return self
@@ -73,7 +74,9 @@ class _SwitchingIterator:
         item = self._items[self._next]
         self._next += 1
         if item.packed_seq_params is not None and self._switch is not None:
+            t0 = time.perf_counter()
             self._switch.use(item.group, item.ranks)
+            self.switch_s += time.perf_counter() - t0
         return item
 
 
@@ -174,25 +177,27 @@ class StepDriver:
             items = plain_micro_batches(batch, rank=rank, world=world, seq_length=self.args.seq_length,
                                         micro_batch_size=self.args.micro_batch_size, device=device)
         t0 = time.perf_counter()
+        feed = _SwitchingIterator(items, self.switch)
         try:
             out = megatron_no_pipelining()(
-                forward_step_func=forward_step_func, data_iterator=_SwitchingIterator(items, self.switch),
+                forward_step_func=forward_step_func, data_iterator=feed,
                 model=model, num_microbatches=len(items), seq_length=seq_length,
                 micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
         finally:
             self.switch.restore()
         run_s = time.perf_counter() - t0
-        self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, placeholder)
+        self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, feed.switch_s, placeholder)
         return out
 
-    def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, placeholder) -> None:
+    def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, switch_s,
+                placeholder) -> None:
         sums = torch.zeros(3, dtype=torch.float64)
         for d in out or []:
             v = d["lm loss"].detach().view(-1).double().cpu()
             sums[0] += v[0]
             sums[1] += v[1]
         sums[2] = float(placeholder)
-        worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items)], dtype=torch.float64)
+        worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items), switch_s], dtype=torch.float64)
         dist.all_reduce(sums)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if dist.get_rank() != 0:
@@ -201,7 +206,8 @@ class StepDriver:
                "loss": float(sums[0] / max(sums[1], 1.0)), "tokens": int(sums[1]),
                "documents": len(batch.lengths), "truncated": batch.truncated,
                "run_ms": 1e3 * float(worst[0]), "plan_wait_ms": 1e3 * float(worst[1]),
-               "dispatch_ms": 1e3 * float(worst[2]), "max_micro_batches_per_rank": int(worst[3]),
+               "dispatch_ms": 1e3 * float(worst[2]), "switch_ms": 1e3 * float(worst[4]),
+               "max_micro_batches_per_rank": int(worst[3]),
                "idle_ranks": int(sums[2])}
         if plan is not None:
             rec.update(predicted_ms=plan.predicted_step_ms,

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?lm loss: ([0-9.E+-]+) .*?grad norm: ([0-9.]+)")
+_ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+) .*?"
+                   r"lm loss: ([0-9.E+-]+) .*?grad norm: ([0-9.]+)")
 
 
 def free_port() -> int:
@@ -49,10 +50,11 @@ class RunResult:
     log: str
     steps: list[dict]
     iterations: dict[int, tuple[float, float]]  # Megatron iteration -> (lm loss, grad norm)
+    iteration_ms: dict[int, float]  # Megatron iteration -> its logged elapsed time (ms)
 
 
 def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
-                 seq_length: int = 1024, gbs: int = 8, timeout: int = 600) -> RunResult:
+                 seq_length: int = 1024, gbs: int = 8, timeout: int = 1800) -> RunResult:
     """One torchrun launch of the entry script; never raises on a failed run (see ``returncode``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
@@ -67,5 +69,7 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
     path = out_dir / "steps.jsonl"
     if path.exists():
         records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    iters = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in _ITER.finditer(text)}
-    return RunResult(proc.returncode, text, records, iters)
+    found = list(_ITER.finditer(text))
+    iters = {int(m.group(1)): (float(m.group(3)), float(m.group(4))) for m in found}
+    times = {int(m.group(1)): float(m.group(2)) for m in found}
+    return RunResult(proc.returncode, text, records, iters, times)

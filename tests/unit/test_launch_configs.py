@@ -1,0 +1,49 @@
+"""The shipped GPU configuration parses with Megatron's parser, passes our checks and plans."""
+
+import shlex
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _file_args(path: Path) -> list[str]:
+    text = "\n".join(line.split("#", 1)[0] for line in path.read_text().splitlines())
+    return shlex.split(text)
+
+
+def test_gpt7b_64gpu_config_parses_and_fits(monkeypatch):
+    pytest.importorskip("megatron.training")
+    import numpy as np
+    from megatron.training.arguments import parse_args
+
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.integration.args import add_flexsp_args, check_megatron_args, load_settings
+    from megatron_flexsp.integration.driver import model_spec_from_args
+    from megatron_flexsp.planner import plan_step
+
+    argv = _file_args(ROOT / "configs" / "gpt7b_64gpu_192k.args")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt_flexsp.py", *argv, "--data-path", "x",
+                                     "--dataloader-type", "external"])
+    args = parse_args(add_flexsp_args)
+    args.padded_vocab_size = 50304
+    assert args.flexsp and args.seq_length == 196608
+    check_megatron_args(args)
+    settings = load_settings(args.flexsp_config)
+    assert settings.runtime.attention_backend == "flash"
+    cm = CostModel.from_profile(load_profile(args.flexsp_profile), model_spec_from_args(args),
+                                num_gpus=64, max_seq_len=args.seq_length)
+    assert cm.max_tokens >= args.seq_length
+    lens = np.random.default_rng(0).integers(100, args.seq_length, size=64)
+    plan = plan_step(lens, cm, strategy="batchada", max_seq_len=args.seq_length)  # fast; flexsp: bench
+    assert plan.num_gpus == 64
+
+
+@pytest.mark.parametrize("script", ["scripts/launch_local.sh", "scripts/slurm/train_flexsp.sbatch",
+                                    "scripts/demo_cpu.sh", "scripts/tiny_gpt_args.sh"])
+def test_launchers_are_valid_bash(script):
+    out = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
