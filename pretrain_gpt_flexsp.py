@@ -18,6 +18,7 @@ Required Megatron flags: ``--calculate-per-token-loss``; ``--dataloader-type`` i
 
 from __future__ import annotations
 
+import os
 import sys
 from functools import partial
 
@@ -105,7 +106,7 @@ def main(argv: list[str]) -> int:
     from megatron_flexsp.integration.args import add_flexsp_args, check_megatron_args, load_settings
     from megatron_flexsp.integration.driver import StepDriver
     from patches.distrib_optimizer import distrib_optimizer_patches
-    from patches.schedule import schedule_patch
+    from patches.schedule import save_hook_patch, schedule_patch
 
     args = parse_and_validate_args(extra_args_provider=add_flexsp_args,
                                    args_defaults={"dataloader_type": "external"})
@@ -118,12 +119,15 @@ def main(argv: list[str]) -> int:
 
     datasets_provider.is_distributed = True
     provider = partial(model_provider, settings=settings, flexsp=driver.flexsp, backend=driver.backend)
-    active = [schedule_patch(driver), *distrib_optimizer_patches()]
+    active = [schedule_patch(driver), save_hook_patch(driver.on_save)]
+    if os.environ.get("FLEXSP_TEST_UNPATCHED_OPTIMIZER") != "1":  # negative control in the tests only
+        active += distrib_optimizer_patches()
     patches.apply(active)
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider,
                  ModelType.encoder_or_decoder, forward_step, model_provider=provider)
     finally:
+        driver.close()
         patches.revert(active)
     return 0
 

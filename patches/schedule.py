@@ -41,3 +41,18 @@ def megatron_no_pipelining():
         raise RuntimeError(f"megatron.core.pipeline_parallel.schedules.forward_backward_no_pipelining "
                            f"lacks {missing}; this plugin was written for megatron-core 0.19")
     return forward_backward_no_pipelining
+
+
+def save_hook_patch(on_save) -> Patch:
+    """After Megatron saves a checkpoint, call ``on_save(iteration)`` (document accounting)."""
+
+    def make(original):
+        def save_checkpoint(iteration, *args, **kwargs):
+            out = original(iteration, *args, **kwargs)
+            on_save(int(iteration))
+            return out
+
+        return save_checkpoint
+
+    return Patch("megatron.training.training", "save_checkpoint", make,
+                 expect_params=("iteration", "model", "optimizer"))

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 PROFILE_FORMAT = "megatron-flexsp-profile"
@@ -51,6 +51,17 @@ class Profile:
     @property
     def memory_budget_bytes(self) -> float:
         return self.device_memory_bytes - self.memory_reserve_bytes
+
+    def on_partial_node(self, num_gpus: int) -> "Profile":
+        """This profile for a run on fewer GPUs than one node (``num_gpus`` a power of two below
+        ``gpus_per_node``): one node of ``num_gpus``, intra-node all-to-all points up to that size."""
+        if not 0 < num_gpus < self.gpus_per_node or num_gpus & (num_gpus - 1):
+            raise ValueError(f"num_gpus={num_gpus} must be a power of two below the profile's "
+                             f"gpus_per_node={self.gpus_per_node}")
+        points = tuple(p for p in self.intra_node if p.group_size <= num_gpus)
+        if num_gpus > 1 and not points:
+            points = self.intra_node[:1]
+        return replace(self, gpus_per_node=num_gpus, intra_node=points, inter_node=())
 
 
 def _require(data: dict, key: str, where: str):

@@ -2,7 +2,7 @@
 
 The set is small and fixed (:data:`FLEXSP_FLAGS`; a test fails when it changes without the list).
 Planner, cost-model and runtime settings that are rarely changed live in the YAML file given by
-``--flexsp-config`` (sections ``planner``: ``strategy`` (:data:`STRATEGIES`; ``flexsp`` by default,
+``--flexsp-config`` (sections ``planning``: :class:`PlanningSettings`; ``planner``: ``strategy`` (:data:`STRATEGIES`; ``flexsp`` by default,
 the others are the baselines) and :class:`PlannerConfig` fields; ``runtime``: ``attention_backend``,
 ``kv_replication``).
 """
@@ -10,7 +10,7 @@ the others are the baselines) and :class:`PlannerConfig` fields; ``runtime``: ``
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 from megatron_flexsp.config import OVER_LENGTH_POLICIES, STRATEGIES, PlannerConfig
@@ -64,10 +64,38 @@ class RuntimeSettings:
 
 
 @dataclass(frozen=True)
+class PlanningSettings:
+    """Where and when plans are made (section ``planning``).
+
+    asynchronous: solve step k+1's plan in a separate process while step k trains (rank 0);
+        otherwise rank 0 solves each step's plan when the step starts.
+    wait_budget_s: how long a step waits for the solver before using ``fallback`` (a fast baseline
+        strategy); the late solution is discarded.
+    precompute: solve every step's plan before training starts (benchmark reference).
+    solver_delay_s: delay every solve (test and benchmark hook for a slow solver).
+    """
+
+    asynchronous: bool = True
+    wait_budget_s: float = 1.0
+    fallback: str = "batchada"
+    precompute: bool = False
+    solver_delay_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.wait_budget_s < 0 or self.solver_delay_s < 0:
+            raise ValueError(f"planning.wait_budget_s={self.wait_budget_s} and solver_delay_s="
+                             f"{self.solver_delay_s} must be >= 0")
+        if self.fallback not in STRATEGIES or self.fallback == "flexsp":
+            raise ValueError(f"planning.fallback={self.fallback!r} must be a fast baseline: one of "
+                             f"{[s for s in STRATEGIES if s != 'flexsp']}")
+
+
+@dataclass(frozen=True)
 class FlexSPSettings:
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     runtime: RuntimeSettings = field(default_factory=RuntimeSettings)
     strategy: str = "flexsp"
+    planning: PlanningSettings = field(default_factory=PlanningSettings)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -86,17 +114,22 @@ def load_settings(path: str | None) -> FlexSPSettings:
     data = yaml.safe_load(p.read_text()) or {}
     if not isinstance(data, dict):
         raise ValueError(f"--flexsp-config {path!r}: expected a mapping, got {type(data).__name__}")
-    unknown = set(data) - {"planner", "runtime"}
+    unknown = set(data) - {"planner", "runtime", "planning"}
     if unknown:
         raise ValueError(f"--flexsp-config {path!r}: unknown section(s) {sorted(unknown)}; "
-                         f"expected 'planner' and 'runtime'")
+                         f"expected 'planner', 'planning' and 'runtime'")
     runtime = data.get("runtime") or {}
     bad = set(runtime) - {"attention_backend", "kv_replication"}
     if bad:
         raise ValueError(f"--flexsp-config {path!r}: unknown runtime key(s) {sorted(bad)}")
+    planning = data.get("planning") or {}
+    bad = set(planning) - {f.name for f in fields(PlanningSettings)}
+    if bad:
+        raise ValueError(f"--flexsp-config {path!r}: unknown planning key(s) {sorted(bad)}")
     planner = dict(data.get("planner") or {})
     strategy = planner.pop("strategy", "flexsp")
-    return FlexSPSettings(PlannerConfig.from_dict(planner), RuntimeSettings(**runtime), strategy)
+    return FlexSPSettings(PlannerConfig.from_dict(planner), RuntimeSettings(**runtime), strategy,
+                          PlanningSettings(**planning))
 
 
 # (attribute, bad-value predicate, what to say)

@@ -10,6 +10,7 @@ rows (the plain-Megatron baseline). Rank 0 appends one JSON line per step to ``s
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -25,11 +26,14 @@ from megatron_flexsp.integration.microbatches import (flexsp_micro_batches, plac
 from megatron_flexsp.model_spec import ModelSpec
 from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.planner import plan_step
+from megatron_flexsp.planner.service import PlanService
 from megatron_flexsp.runtime.groups import SPGroupPool
 from megatron_flexsp.runtime.plan_check import check_plan
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
+
+DATA_STATE_FORMAT = "megatron-flexsp-data"
 
 
 def model_spec_from_args(args) -> ModelSpec:
@@ -56,6 +60,19 @@ def data_prefixes(args) -> list[str]:
         if "blends" in str(exc):
             raise
     return paths
+
+
+def check_agreement(plan_json: str, step: int, device) -> None:
+    """Every rank holds the same plan: all-gather a hash; a mismatch raises on every rank."""
+    digest = int.from_bytes(hashlib.sha256(plan_json.encode()).digest()[:7], "big")
+    mine = torch.tensor([digest], dtype=torch.int64, device=device)
+    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    hashes = [int(h.item()) for h in every]
+    bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
+    if bad:
+        raise RuntimeError(f"step {step}: ranks disagree on the plan: rank 0 holds {hashes[0]:014x}, "
+                           f"rank {bad[0]} holds {hashes[bad[0]]:014x} ({len(bad)} rank(s) differ)")
 
 
 class _SwitchingIterator:
@@ -94,28 +111,42 @@ class StepDriver:
         if self.flexsp:
             profile = load_profile(args.flexsp_profile or ("cpu-gloo-demo" if on_cpu else "h200-estimate"))
             world = args.world_size
-            if world % profile.gpus_per_node and world > profile.gpus_per_node:
-                raise ValueError(f"world size {world} is not a multiple of the profile's "
-                                 f"gpus_per_node={profile.gpus_per_node}")
+            if world < profile.gpus_per_node and not world & (world - 1):
+                log.info("%d ranks: one partial node of profile %s (%d per node)", world,
+                         profile.name, profile.gpus_per_node)
+                profile = profile.on_partial_node(world)
+            if world % profile.gpus_per_node:
+                raise ValueError(f"world size {world} is not a multiple of the {profile.gpus_per_node} "
+                                 f"ranks per node of profile {profile.name!r}; node-aligned groups "
+                                 f"need whole nodes")
             self.cm = CostModel.from_profile(
                 profile, model_spec_from_args(args), num_gpus=world, max_seq_len=args.seq_length,
                 allow_kv_replication=settings.runtime.kv_replication)
             if args.seq_length > self.cm.max_tokens:
-                raise ValueError(f"--seq-length {args.seq_length} is longer than the {world} ranks can "
-                                 f"hold ({self.cm.max_tokens} tokens with profile {profile.name!r}); "
-                                 f"lower --seq-length or add ranks")
+                m = self.cm.model
+                raise ValueError(
+                    f"--seq-length {args.seq_length} is longer than the cluster can hold: "
+                    f"{self.cm.max_tokens} tokens = {self.cm.capacity_tokens} per rank x the largest "
+                    f"allowed group of {self.cm.sizes[-1]} ranks (group sizes must divide "
+                    f"num_heads={m.num_heads} and num_kv_heads={m.num_kv_heads} and align with "
+                    f"{profile.gpus_per_node} ranks per node; profile {profile.name!r}); lower "
+                    f"--seq-length, add ranks or use --flexsp-over-length with a smaller length")
         self.backend = settings.runtime.backend(on_cpu)
         self.pool = None
         self.switch = None
+        self.service = None
+        self.precomputed: dict[int, object] = {}
         self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
                                                      else "flexsp_out"))
         self._pictured = False
+        self.run_totals = {"steps": 0, "documents": 0, "tokens": 0, "truncated_documents": 0}
 
     # ------------------------------------------------------------------ data
     def data_iterator(self):
         """Global batches from Megatron's consumed-sample count on (resume continues the stream)."""
         first = self.args.consumed_train_samples // self.args.global_batch_size
         rank, world = dist.get_rank(), dist.get_world_size()
+        self.check_resume()
         acct = self.sampler.acct
         log.info("documents: %d, usable %d, truncated %d (%d tokens), dropped %d short / %d long; "
                  "starting at global batch %d", acct.num_documents, acct.usable_documents,
@@ -125,6 +156,52 @@ class StepDriver:
         while True:
             yield self.sampler.batch(step, self.source, rank=rank, world=world)
             step += 1
+
+    # ------------------------------------------------------------------ checkpoints
+    def sampler_state(self) -> dict:
+        smp = self.sampler
+        return {"seed": smp.seed, "global_batch": smp.global_batch, "seq_length": smp.seq_length,
+                "over_length": self.args.flexsp_over_length,
+                "num_documents": smp.acct.num_documents, "usable_documents": smp.acct.usable_documents}
+
+    def on_save(self, iteration: int) -> None:
+        """Rank 0: write the document accounting next to Megatron's checkpoint of ``iteration``."""
+        if dist.get_rank() != 0 or not self.args.save:
+            return
+        usable = self.sampler.acct.usable_documents
+        consumed = iteration * self.args.global_batch_size
+        rec = {"format": DATA_STATE_FORMAT, "version": 1, "iteration": iteration,
+               "next_step": iteration, "documents_consumed": consumed, "epoch": consumed // usable,
+               "position_in_epoch": consumed % usable, "sampler": self.sampler_state(),
+               "dataset": self.sampler.acct.to_dict(), "this_run": dict(self.run_totals)}
+        folder = Path(self.args.save) / f"iter_{iteration:07d}"
+        folder = folder if folder.is_dir() else self.out_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "flexsp_data.json").write_text(json.dumps(rec, indent=1))
+        log.info("data accounting at iteration %d: %d documents consumed (epoch %d, %d/%d), this run "
+                 "%d documents, %d truncated; dataset: %d dropped short, %d dropped long", iteration,
+                 consumed, rec["epoch"], rec["position_in_epoch"], usable,
+                 self.run_totals["documents"], self.run_totals["truncated_documents"],
+                 self.sampler.acct.dropped_too_short, self.sampler.acct.dropped_too_long)
+
+    def check_resume(self) -> None:
+        """On resume, the saved sampler settings must equal this run's (else documents would be
+        skipped or repeated): ``ValueError`` naming the differing values."""
+        it = int(getattr(self.args, "iteration", 0) or 0)
+        if not it or not self.args.load:
+            return
+        path = Path(self.args.load) / f"iter_{it:07d}" / "flexsp_data.json"
+        if not path.exists():
+            log.warning("resuming at iteration %d without %s: document accounting starts here", it, path)
+            return
+        saved = json.loads(path.read_text())
+        now = self.sampler_state()
+        diff = {k: (saved["sampler"].get(k), v) for k, v in now.items() if saved["sampler"].get(k) != v}
+        if diff:
+            raise ValueError(f"resuming from {path}: the document sampler changed (saved, now): {diff}; "
+                             f"documents would be skipped or trained twice")
+        log.info("resume: %d documents consumed before (epoch %d), sampler settings unchanged",
+                 saved["documents_consumed"], saved["epoch"])
 
     # ------------------------------------------------------------------ setup on first step
     def _setup(self, model) -> None:
@@ -137,21 +214,62 @@ class StepDriver:
             log.info("group pool: sizes %s on %d ranks (%d per node), attention %s",
                      self.cm.sizes, self.cm.cluster.num_gpus, self.cm.cluster.gpus_per_node,
                      self.backend)
+            if dist.get_rank() == 0:
+                self._start_planning()
 
-    def _plan(self, batch) -> tuple[StepPlan, float]:
+    def _start_planning(self) -> None:
+        """Rank 0: precompute every step's plan, or start the solver process on the first step."""
+        cfg = self.settings.planning
+        first = self.args.consumed_train_samples // self.args.global_batch_size
+        if cfg.precompute:
+            for step in range(first, self.args.train_iters):
+                lens = self.sampler.batch(step).lengths
+                self.precomputed[step] = self._solve_now(lens)
+            log.info("precomputed the plans of steps %d..%d", first, self.args.train_iters - 1)
+        elif cfg.asynchronous:
+            self.service = PlanService(self.cm, strategy=self.settings.strategy,
+                                       config=self.settings.planner, max_seq_len=self.args.seq_length,
+                                       wait_budget_s=cfg.wait_budget_s, fallback=cfg.fallback,
+                                       delay_s=cfg.solver_delay_s)
+            self.service.request(first, self.sampler.batch(first).lengths)
+
+    def _solve_now(self, lengths) -> StepPlan:
+        return plan_step(lengths, self.cm, strategy=self.settings.strategy, config=self.settings.planner,
+                         max_seq_len=self.args.seq_length)
+
+    def _plan_on_rank0(self, batch) -> tuple[StepPlan, str]:
+        if batch.step in self.precomputed:
+            return self.precomputed.pop(batch.step), "precomputed"
+        if self.service is None:
+            return self._solve_now(batch.lengths), "solver-sync"
+        outcome = self.service.take(batch.step, batch.lengths)
+        # look ahead: solve the next batch while this step trains
+        self.service.request(batch.step + 1, self.sampler.batch(batch.step + 1).lengths)
+        return outcome.plan, outcome.source
+
+    def _plan(self, batch) -> tuple[StepPlan, float, str]:
         t0 = time.perf_counter()
-        payload = [None]
+        payload = [None, None]
         if dist.get_rank() == 0:
-            plan = plan_step(batch.lengths, self.cm, strategy=self.settings.strategy,
-                             config=self.settings.planner,
-                             max_seq_len=self.args.seq_length)
-            payload = [plan.to_json()]
+            plan, source = self._plan_on_rank0(batch)
+            payload = [plan.to_json(), source]
         dist.broadcast_object_list(payload, src=0)
         plan = StepPlan.from_json(payload[0])
+        check_agreement(payload[0], batch.step, self.agree_device)
         model = self.cm.model
         check_plan(plan, self.pool, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                    kv_replication=self.settings.runtime.kv_replication)
-        return plan, time.perf_counter() - t0
+        return plan, time.perf_counter() - t0, payload[1]
+
+    @property
+    def agree_device(self) -> torch.device:
+        return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+
+    def close(self) -> None:
+        """Stop the solver process (rank 0); call when training ends."""
+        if self.service is not None:
+            self.service.close()
+            self.service = None
 
     # ------------------------------------------------------------------ the step
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
@@ -165,9 +283,9 @@ class StepDriver:
         batch = next(data_iterator)
         rank, world = dist.get_rank(), dist.get_world_size()
         device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
-        plan, plan_s, dispatch_s, placeholder = None, 0.0, 0.0, False
+        plan, plan_s, dispatch_s, placeholder, source = None, 0.0, 0.0, False, ""
         if self.flexsp:
-            plan, plan_s = self._plan(batch)
+            plan, plan_s, source = self._plan(batch)
             items, dispatch_s = flexsp_micro_batches(plan, batch, pool=self.pool, rank=rank, world=world,
                                                      max_position=self.args.max_position_embeddings,
                                                      device=device)
@@ -186,11 +304,12 @@ class StepDriver:
         finally:
             self.switch.restore()
         run_s = time.perf_counter() - t0
-        self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, feed.switch_s, placeholder)
+        self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, feed.switch_s, placeholder,
+                     source)
         return out
 
     def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, switch_s,
-                placeholder) -> None:
+                placeholder, source) -> None:
         sums = torch.zeros(3, dtype=torch.float64)
         for d in out or []:
             v = d["lm loss"].detach().view(-1).double().cpu()
@@ -202,6 +321,9 @@ class StepDriver:
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if dist.get_rank() != 0:
             return
+        for key, value in (("steps", 1), ("documents", len(batch.lengths)), ("tokens", int(sums[1])),
+                           ("truncated_documents", batch.truncated)):
+            self.run_totals[key] += value
         rec = {"step": batch.step, "mode": self.settings.strategy if self.flexsp else "plain",
                "loss": float(sums[0] / max(sums[1], 1.0)), "tokens": int(sums[1]),
                "documents": len(batch.lengths), "truncated": batch.truncated,
@@ -210,12 +332,14 @@ class StepDriver:
                "max_micro_batches_per_rank": int(worst[3]),
                "idle_ranks": int(sums[2])}
         if plan is not None:
-            rec.update(predicted_ms=plan.predicted_step_ms,
+            rec.update(plan_source=source, predicted_ms=plan.predicted_step_ms,
                        gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,
                        group_sizes=plan.group_sizes, solve_s=plan.solve_time_s)
-            log.info("%s step %d: %d micro-batches, groups %s, predicted %.0f ms, measured %.0f ms "
-                     "(plan wait %.0f ms, dispatch %.0f ms), loss %.4f", rec["mode"], batch.step,
-                     len(plan.micro_batches), plan.group_sizes, plan.predicted_step_ms, rec["run_ms"],
+            log.info("%s step %d: %d micro-batches, groups %s, plan by %s (%s, gap %s), predicted %.0f "
+                     "ms, measured %.0f ms (plan wait %.0f ms, dispatch %.0f ms), loss %.4f",
+                     rec["mode"], batch.step, len(plan.micro_batches), plan.group_sizes, source,
+                     plan.method, "n/a" if rec["gap"] is None else f"{100 * rec['gap']:.1f}%",
+                     plan.predicted_step_ms, rec["run_ms"],
                      rec["plan_wait_ms"], rec["dispatch_ms"], rec["loss"])
         self.out_dir.mkdir(parents=True, exist_ok=True)
         with open(self.out_dir / "steps.jsonl", "a") as f:

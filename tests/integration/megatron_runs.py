@@ -54,10 +54,12 @@ class RunResult:
 
 
 def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
-                 seq_length: int = 1024, gbs: int = 8, timeout: int = 1800) -> RunResult:
+                 seq_length: int = 1024, gbs: int = 8, timeout: int = 1800,
+                 env: dict | None = None) -> RunResult:
     """One torchrun launch of the entry script; never raises on a failed run (see ``returncode``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
+               **(env or {}))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "pretrain_gpt_flexsp.py"), *tiny_args(seq_length, gbs), "--data-path", str(data),

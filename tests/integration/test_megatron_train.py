@@ -1,10 +1,11 @@
-"""Megatron's own training loop with --flexsp on 4 CPU gloo ranks (three launches, ~1-2 min).
+"""Megatron's own training loop with --flexsp on 4 CPU gloo ranks (four launches, ~2-3 min).
 
 - parity: a --flexsp run and a plain Megatron data-parallel run on the same documents give the same
   loss and grad norm step by step (fp32; relative tolerance 1e-5);
 - checkpoints: a --flexsp run resumed from its Megatron checkpoint at iteration 3 continues the same
   document stream and plans and reproduces the uninterrupted run's losses;
-- records: per-step plan summaries, plans and a plan picture are written.
+- the resume needs our distributed-optimizer patches (a launch without them fails);
+- records: per-step plan summaries, plans, a plan picture and the document accounting are written.
 """
 
 import json
@@ -24,7 +25,10 @@ RTOL = 1e-5
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("megatron")
     data = build_dataset(base / "data" / "docs")
-    flex = run_pretrain(base / "flexsp", data, ["--flexsp", "--save", str(base / "ckpt"),
+    cfg = base / "flexsp.yaml"  # asynchronous planning, always waiting for the solver: deterministic
+    cfg.write_text("planning:\n  asynchronous: true\n  wait_budget_s: 600\n")
+    flexsp = ["--flexsp", "--flexsp-config", str(cfg)]
+    flex = run_pretrain(base / "flexsp", data, [*flexsp, "--save", str(base / "ckpt"),
                                                 "--save-interval", "3"], steps=STEPS)
     assert flex.returncode == 0, flex.log[-6000:]
     plain = run_pretrain(base / "plain", data, [], steps=STEPS)
@@ -33,9 +37,11 @@ def runs(tmp_path_factory):
     at3.mkdir()
     shutil.copytree(base / "ckpt" / "iter_0000003", at3 / "iter_0000003")
     (at3 / "latest_checkpointed_iteration.txt").write_text("3")
-    resumed = run_pretrain(base / "resumed", data, ["--flexsp", "--load", str(at3)], steps=STEPS)
+    resumed = run_pretrain(base / "resumed", data, [*flexsp, "--load", str(at3)], steps=STEPS)
     assert resumed.returncode == 0, resumed.log[-6000:]
-    return {"flexsp": flex, "plain": plain, "resumed": resumed, "base": base}
+    unpatched = run_pretrain(base / "unpatched", data, [*flexsp, "--load", str(at3)], steps=4,
+                             env={"FLEXSP_TEST_UNPATCHED_OPTIMIZER": "1"})
+    return {"flexsp": flex, "plain": plain, "resumed": resumed, "unpatched": unpatched, "base": base}
 
 
 def _close(a: float, b: float) -> bool:
@@ -56,9 +62,10 @@ def test_flexsp_matches_plain_megatron_step_by_step(runs):
     assert flex.steps[-1]["loss"] < flex.steps[0]["loss"]
 
 
-def test_flexsp_used_heterogeneous_groups(runs):
+def test_flexsp_used_heterogeneous_groups_from_the_async_solver(runs):
     sizes = {d for r in runs["flexsp"].steps for mb in r["group_sizes"] for d in mb}
     assert 1 in sizes and max(sizes) > 1, sizes
+    assert {r["plan_source"] for r in runs["flexsp"].steps} == {"solver"}
 
 
 def test_resume_from_checkpoint_continues_the_run(runs):
@@ -70,6 +77,20 @@ def test_resume_from_checkpoint_continues_the_run(runs):
         assert r["group_sizes"] == by_step[r["step"]]["group_sizes"]
         assert _close(r["loss"], by_step[r["step"]]["loss"]), (r["step"], r["loss"],
                                                                by_step[r["step"]]["loss"])
+
+
+def test_resume_needs_the_distributed_optimizer_patches(runs):
+    bad = runs["unpatched"]  # megatron-core 0.19 as shipped, torch Adam, --use-distributed-optimizer
+    assert bad.returncode != 0
+    assert "KeyError: 'step'" in bad.log or "leaf Variable that requires grad" in bad.log
+
+
+def test_checkpoint_carries_the_document_accounting(runs):
+    rec = json.loads((runs["base"] / "ckpt" / "iter_0000003" / "flexsp_data.json").read_text())
+    assert rec["format"] == "megatron-flexsp-data" and rec["documents_consumed"] == 3 * 8
+    assert rec["this_run"]["documents"] == 24 and rec["this_run"]["steps"] == 3
+    assert rec["sampler"]["global_batch"] == 8 and rec["dataset"]["usable_documents"] > 0
+    assert "sampler settings unchanged" in runs["resumed"].log
 
 
 def test_records_plans_and_picture(runs):

@@ -9,11 +9,64 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run(args, tmp_path):
+def _run(args, tmp_path, **env):
     return subprocess.run([sys.executable, str(ROOT / "pretrain_gpt_flexsp.py"), *args], cwd=tmp_path,
                           capture_output=True, text=True, timeout=300,
                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT),
-                               "CUDA_VISIBLE_DEVICES": ""})
+                               "CUDA_VISIBLE_DEVICES": "", **env})
+
+
+@pytest.fixture(scope="module")
+def docs(tmp_path_factory):
+    pytest.importorskip("megatron.training")
+    from tests.integration.megatron_runs import build_dataset
+
+    return build_dataset(tmp_path_factory.mktemp("docs") / "d", max_docs=50)
+
+
+def _bad_profile(tmp_path, **changes):
+    import json
+
+    data = json.loads((ROOT / "configs" / "profiles" / "cpu-gloo-demo.json").read_text())
+    data.update(changes)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+@pytest.mark.parametrize("case", ["seq-too-long", "world-not-whole-nodes", "profile-version",
+                                  "profile-missing-key", "profile-other-model", "heads"])
+def test_bad_cluster_or_profile_is_refused_before_training(case, docs, tmp_path):
+    from tests.integration.megatron_runs import tiny_args
+
+    args, env = tiny_args(), {}
+    if case == "seq-too-long":
+        args = tiny_args(seq_length=60000)
+        expected = "--seq-length 60000 is longer than the cluster can hold"
+    elif case == "world-not-whole-nodes":
+        args, env = tiny_args(gbs=6), {"WORLD_SIZE": "3", "RANK": "0"}
+        expected = "world size 3 is not a multiple of the 2 ranks per node"
+    elif case == "profile-version":
+        args += ["--flexsp-profile", _bad_profile(tmp_path, version=7)]
+        expected = "unknown version 7"
+    elif case == "profile-missing-key":
+        args += ["--flexsp-profile", _bad_profile(tmp_path, alltoall={"intra_node": []})]
+        expected = "inter_node"
+    elif case == "profile-other-model":
+        prof = _bad_profile(tmp_path, models={"gpt-2x64-4h": {
+            "shape": {"num_layers": 12, "hidden_size": 64, "num_heads": 4},
+            "a_attn_ms_per_token2": 1e-5, "a_lin_ms_per_token": 0.1, "group_overhead_ms": 1.0,
+            "activation_bytes_per_token": 8704.0}})
+        args += ["--flexsp-profile", prof]
+        expected = "this profile is for another model"
+    else:  # 3 heads: only groups of 1, too small for a 2048-token document
+        args = [a if a != "4" or args[i - 1] != "--num-attention-heads" else "3"
+                for i, a in enumerate(tiny_args(seq_length=2048))]
+        args = [a if a != "64" or args[i - 1] != "--hidden-size" else "48" for i, a in enumerate(args)]
+        expected = "group sizes must divide num_heads=3"
+    out = _run(["--flexsp", *args, "--train-iters", "1", "--data-path", str(docs)], tmp_path, **env)
+    assert out.returncode != 0
+    assert expected in out.stderr, out.stderr[-3000:]
 
 
 def test_plan_only_mode_plans(tmp_path):

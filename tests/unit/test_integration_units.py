@@ -151,3 +151,52 @@ def test_cpu_mode_maps_cuda_to_cpu_and_turns_off():
     assert not cpu_mode_active()
     with pytest.raises(RuntimeError):
         torch.zeros(1, device="cuda")
+
+
+def test_shared_adam_step_is_a_real_bug_and_the_patch_unshares_it():
+    import torch
+
+    from patches.distrib_optimizer import _make_unshared_step
+
+    params = [torch.nn.Parameter(torch.ones(2)) for _ in range(3)]
+    opt = torch.optim.AdamW(params, lr=0.1)
+    for p in params:
+        p.grad = torch.ones(2)
+    opt.step()
+    shared = torch.tensor(1.0)
+
+    class FakeDistOpt:  # what megatron-core's DistributedOptimizer.load_state_dict leaves behind
+        optimizer = opt
+
+        def load_state_dict(self, state_dict):
+            for st in opt.state.values():
+                st["step"] = shared
+
+    buggy = FakeDistOpt()
+    buggy.load_state_dict({})
+    opt.step()
+    assert float(shared) == 4.0  # the bug: one step counted once per parameter
+    fixed = _make_unshared_step(FakeDistOpt.load_state_dict)
+    shared.fill_(1.0)
+    fixed(FakeDistOpt(), {})
+    assert len({id(st["step"]) for st in opt.state.values()}) == 3
+    opt.step()
+    assert [float(st["step"]) for st in opt.state.values()] == [2.0, 2.0, 2.0]
+
+
+def test_resume_refuses_a_changed_sampler(tmp_path):
+    import json
+
+    from megatron_flexsp.integration.driver import StepDriver
+
+    d = StepDriver.__new__(StepDriver)
+    d.sampler = DocumentSampler(np.array([5, 6, 7, 8]), global_batch=2, seq_length=16, seed=3)
+    d.args = SimpleNamespace(iteration=2, load=str(tmp_path), flexsp_over_length="truncate")
+    (tmp_path / "iter_0000002").mkdir()
+    saved = {"sampler": dict(d.sampler_state(), global_batch=4), "documents_consumed": 8, "epoch": 2}
+    (tmp_path / "iter_0000002" / "flexsp_data.json").write_text(json.dumps(saved))
+    with pytest.raises(ValueError, match=r"'global_batch': \(4, 2\)"):
+        d.check_resume()
+    saved["sampler"]["global_batch"] = 2
+    (tmp_path / "iter_0000002" / "flexsp_data.json").write_text(json.dumps(saved))
+    d.check_resume()

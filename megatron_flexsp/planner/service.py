@@ -1,0 +1,169 @@
+"""Planning off the critical path: a solver process, a wait budget and a fast fallback.
+
+:class:`PlanService` runs :func:`plan_step` in a separate process (``spawn``: never a fork of a
+process holding communicators or threads). The caller asks for step ``k``'s plan with
+:meth:`PlanService.request` as early as it knows the batch's lengths (while step ``k-1`` trains) and
+collects it with :meth:`PlanService.take` when step ``k`` starts: if the solver's plan is not there
+within the wait budget, a fallback plan is made in-process (a fast baseline, milliseconds) and the
+late solution is discarded when it arrives. A dead solver is restarted and a failed solve (an
+exception, an infeasible model) yields the fallback with a warning: never a hang.
+
+Stdlib + the planner only (no torch): the service runs on the planning rank; the plan it returns is
+a value to broadcast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing as mp
+import queue
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from megatron_flexsp.config import PlannerConfig
+from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.planner.api import plan_step
+from megatron_flexsp.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class PlanOutcome:
+    """A plan for one step and how it was obtained (``source``: solver / fallback / fallback-*)."""
+
+    plan: StepPlan
+    source: str
+    wait_s: float
+    note: str = ""
+
+
+def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, max_seq_len: int,
+                 delay_s: float) -> None:
+    while True:
+        item = requests.get()
+        if item is None:
+            return
+        step, lens = item
+        try:
+            if delay_s:
+                time.sleep(delay_s)
+            plan = plan_step(np.asarray(lens), cm, strategy=strategy, config=config,
+                             max_seq_len=max_seq_len)
+            results.put((step, plan.to_json(), ""))
+        except Exception as exc:  # noqa: BLE001 - reported to the caller, which falls back
+            results.put((step, None, f"{type(exc).__name__}: {exc}"))
+
+
+class PlanService:
+    """Solver process for one run; create on the planning rank only, :meth:`close` at the end.
+
+    ``delay_s`` delays every solve (a test hook: shows that the fallback keeps steps on time).
+    """
+
+    def __init__(self, cm, *, strategy: str = "flexsp", config: PlannerConfig | None = None,
+                 max_seq_len: int = 0, wait_budget_s: float = 1.0, fallback: str = "batchada",
+                 delay_s: float = 0.0) -> None:
+        if wait_budget_s < 0:
+            raise ValueError(f"wait_budget_s={wait_budget_s} must be >= 0")
+        self.cm, self.strategy, self.config = cm, strategy, config or PlannerConfig()
+        self.max_seq_len, self.wait_budget_s, self.fallback = max_seq_len, wait_budget_s, fallback
+        self.delay_s = delay_s
+        self._ctx = mp.get_context("spawn")
+        self._proc = None
+        self._requests = self._results = None
+        self._pending: dict[int, np.ndarray] = {}
+        self._done: dict[int, tuple[str | None, str]] = {}
+        self.restarts = 0
+        self._start()
+
+    def _start(self) -> None:
+        self._requests, self._results = self._ctx.Queue(), self._ctx.Queue()
+        self._proc = self._ctx.Process(
+            target=_solver_main, name="flexsp-planner", daemon=True,
+            args=(self._requests, self._results, self.cm, self.strategy, self.config,
+                  self.max_seq_len, self.delay_s))
+        self._proc.start()
+
+    def _restart(self) -> None:
+        self.restarts += 1
+        log.warning("planner process died (exit code %s); restarting it (restart %d)",
+                    self._proc.exitcode, self.restarts)
+        self._proc.join(timeout=1)
+        self._pending.clear()
+        self._start()
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.is_alive()
+
+    def request(self, step: int, lengths) -> None:
+        """Start solving step ``step`` (non-blocking; at most once per step)."""
+        if step in self._pending or step in self._done:
+            return
+        if not self.alive:
+            self._restart()
+        lens = np.asarray(lengths, dtype=np.int64)
+        self._pending[step] = lens
+        self._requests.put((step, lens.tolist()))
+
+    def _drain(self, timeout: float) -> None:
+        try:
+            step, text, err = self._results.get(timeout=timeout) if timeout > 0 \
+                else self._results.get_nowait()
+        except queue.Empty:
+            return
+        self._pending.pop(step, None)
+        self._done[step] = (text, err)
+
+    def take(self, step: int, lengths) -> PlanOutcome:
+        """Step ``step``'s plan: the solver's if it arrives within the budget, else the fallback."""
+        lens = np.asarray(lengths, dtype=np.int64)
+        t0 = time.perf_counter()
+        if step not in self._pending and step not in self._done:
+            self.request(step, lens)
+        deadline = t0 + self.wait_budget_s
+        while step not in self._done:
+            left = deadline - time.perf_counter()
+            if left <= 0:
+                break
+            if not self.alive:
+                self._restart()
+                return self._fallback(step, lens, t0, "fallback-crash", "the planner process died")
+            self._drain(min(left, 0.05))
+        for old in [k for k in self._done if k < step]:  # late solutions of earlier steps
+            del self._done[old]
+        if step not in self._done:
+            self._pending.pop(step, None)  # its late result is dropped when it arrives
+            return self._fallback(step, lens, t0, "fallback-late",
+                                  f"no plan within the {self.wait_budget_s:.2f} s budget")
+        text, err = self._done.pop(step)
+        if text is None:
+            log.warning("step %d: the planner failed (%s); using the %s fallback", step, err,
+                        self.fallback)
+            return self._fallback(step, lens, t0, "fallback-error", err)
+        plan = StepPlan.from_json(text)
+        if not np.array_equal(np.asarray(plan.original_lens or plan.seq_lens), lens):
+            return self._fallback(step, lens, t0, "fallback-error", "plan for other lengths")
+        return PlanOutcome(plan, "solver", time.perf_counter() - t0)
+
+    def _fallback(self, step: int, lens: np.ndarray, t0: float, source: str, note: str) -> PlanOutcome:
+        plan = plan_step(lens, self.cm, strategy=self.fallback,
+                         config=dataclasses.replace(self.config), max_seq_len=self.max_seq_len)
+        log.info("step %d: %s plan (%s): %s", step, self.fallback, source, note)
+        return PlanOutcome(plan, source, time.perf_counter() - t0, note)
+
+    def close(self) -> None:
+        """Stop the solver process (idempotent)."""
+        if self._proc is None:
+            return
+        try:
+            self._requests.put(None)
+            self._proc.join(timeout=2)
+        finally:
+            if self._proc.is_alive():
+                self._proc.terminate()
+                self._proc.join(timeout=2)
+            self._proc = None

@@ -1,0 +1,75 @@
+"""The asynchronous planner: solver plans within the budget, fallback when late, failed or dead."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.planner.service import PlanService
+
+LENS = np.array([9000, 300, 1200, 50, 4000, 700, 2500, 80] * 8)
+
+
+@pytest.fixture
+def small_cm():
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+
+    return CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=16,
+                                  max_seq_len=16384)
+
+
+def test_solver_plan_within_budget_and_lookahead(small_cm):
+    svc = PlanService(small_cm, max_seq_len=16384, wait_budget_s=120)
+    try:
+        svc.request(0, LENS)
+        svc.request(1, LENS[::-1])
+        a = svc.take(0, LENS)
+        b = svc.take(1, LENS[::-1])
+        assert a.source == "solver" and b.source == "solver"
+        assert a.plan.strategy == "flexsp" and list(a.plan.seq_lens) == LENS.tolist()
+        assert list(b.plan.seq_lens) == LENS[::-1].tolist()
+    finally:
+        svc.close()
+    assert not svc.alive
+
+
+def test_late_solver_falls_back_and_discards_the_late_plan(small_cm):
+    svc = PlanService(small_cm, max_seq_len=16384, wait_budget_s=0.2, delay_s=1.5)
+    try:
+        t0 = time.perf_counter()
+        out = svc.take(0, LENS)
+        assert out.source == "fallback-late" and out.plan.strategy == "batchada"
+        assert time.perf_counter() - t0 < 1.5  # did not wait for the solver
+        svc.wait_budget_s = 60
+        nxt = svc.take(1, LENS[:16])  # step 0's late result arrives first and is dropped
+        assert nxt.source == "solver" and len(nxt.plan.seq_lens) == 16
+    finally:
+        svc.close()
+
+
+def test_failed_solve_and_dead_solver_fall_back_without_hanging(small_cm):
+    svc = PlanService(small_cm, strategy="no-such-strategy", max_seq_len=16384, wait_budget_s=60)
+    try:
+        out = svc.take(0, LENS)
+        assert out.source == "fallback-error" and "no-such-strategy" in out.note
+    finally:
+        svc.close()
+    svc = PlanService(small_cm, max_seq_len=16384, wait_budget_s=30, delay_s=20)
+    try:
+        svc.request(0, LENS)
+        time.sleep(0.5)
+        os.kill(svc._proc.pid, signal.SIGKILL)
+        t0 = time.perf_counter()
+        out = svc.take(0, LENS)
+        assert out.source == "fallback-crash" and time.perf_counter() - t0 < 10
+        assert svc.restarts == 1 and svc.alive
+    finally:
+        svc.close()
+
+
+def test_bad_budget_is_refused(small_cm):
+    with pytest.raises(ValueError, match="wait_budget_s=-1"):
+        PlanService(small_cm, wait_budget_s=-1)
