@@ -38,10 +38,13 @@ def main(argv=None) -> int:
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--budget", type=float, default=1.0, help="plan wait budget (s)")
     ap.add_argument("--delay", type=float, default=30.0, help="solver delay of the slow-solver run (s)")
+    ap.add_argument("--solve-limit", type=float, default=0.0,
+                    help="planner time limit per MILP (s) in every run (0: the default)")
     ap.add_argument("--data", default=str(ROOT / "data" / "demo" / "pystdlib"))
     ap.add_argument("--out", default=str(ROOT / "out" / "bench_overlap.json"))
     args = ap.parse_args(argv)
     data = Path(args.data) if Path(args.data + ".idx").exists() else build_dataset(Path(args.data), 0)
+    limit = f"planner:\n  time_limit_s: {args.solve_limit}\n" if args.solve_limit else ""
     runs = {
         "precomputed": "planning:\n  precompute: true\n",
         "async": f"planning:\n  asynchronous: true\n  wait_budget_s: {args.budget}\n",
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in runs.items():
             cfg = Path(tmp) / f"{name}.yaml"
-            cfg.write_text(text)
+            cfg.write_text(limit + text)
             res = run_pretrain(Path(tmp) / name, data, ["--flexsp", "--flexsp-config", str(cfg)],
                                steps=args.steps, seq_length=args.seq_length, gbs=args.global_batch_size)
             if res.returncode != 0:

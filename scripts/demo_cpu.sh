@@ -11,7 +11,8 @@ NPROC=${NPROC:-4}
 [ -f "$DATA.idx" ] || .venv/bin/python scripts/prepare_demo_data.py --out "$DATA"
 rm -rf "$OUT"; mkdir -p "$OUT"
 .venv/bin/torchrun --nproc-per-node "$NPROC" --master-port "${MASTER_PORT:-29533}" \
-  pretrain_gpt_flexsp.py ${FLEXSP_FLAG---flexsp} --flexsp-plan-dir "$OUT" \
+  pretrain_gpt_flexsp.py ${FLEXSP_FLAG---flexsp --flexsp-config configs/flexsp_demo_cpu.yaml} \
+  --flexsp-plan-dir "$OUT" \
   $(bash scripts/tiny_gpt_args.sh) --data-path "$DATA" --train-iters "$STEPS" \
   --save "$OUT/ckpt" --save-interval "$STEPS" "$@" 2>&1 | tee "$OUT/train.log"
 echo "demo_cpu: per-step records in $OUT/steps.jsonl, plans in $OUT/plans.jsonl, picture $OUT/plan_step0.png"

@@ -76,7 +76,7 @@ class PlanningSettings:
     """
 
     asynchronous: bool = True
-    wait_budget_s: float = 1.0
+    wait_budget_s: float = 0.25
     fallback: str = "batchada"
     precompute: bool = False
     solver_delay_s: float = 0.0

@@ -10,7 +10,7 @@ rows (the plain-Megatron baseline). Rank 0 appends one JSON line per step to ``s
 
 from __future__ import annotations
 
-import hashlib
+import datetime
 import json
 import time
 from pathlib import Path
@@ -27,6 +27,7 @@ from megatron_flexsp.model_spec import ModelSpec
 from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.planner import plan_step
 from megatron_flexsp.planner.service import PlanService
+from megatron_flexsp.runtime.agreement import check_agreement
 from megatron_flexsp.runtime.groups import SPGroupPool
 from megatron_flexsp.runtime.plan_check import check_plan
 from megatron_flexsp.utils.logging import get_logger
@@ -60,19 +61,6 @@ def data_prefixes(args) -> list[str]:
         if "blends" in str(exc):
             raise
     return paths
-
-
-def check_agreement(plan_json: str, step: int, device) -> None:
-    """Every rank holds the same plan: all-gather a hash; a mismatch raises on every rank."""
-    digest = int.from_bytes(hashlib.sha256(plan_json.encode()).digest()[:7], "big")
-    mine = torch.tensor([digest], dtype=torch.int64, device=device)
-    every = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
-    dist.all_gather(every, mine)
-    hashes = [int(h.item()) for h in every]
-    bad = [r for r, h in enumerate(hashes) if h != hashes[0]]
-    if bad:
-        raise RuntimeError(f"step {step}: ranks disagree on the plan: rank 0 holds {hashes[0]:014x}, "
-                           f"rank {bad[0]} holds {hashes[bad[0]]:014x} ({len(bad)} rank(s) differ)")
 
 
 class _SwitchingIterator:
@@ -209,8 +197,10 @@ class StepDriver:
 
         self.switch = ContextParallelSwitch(model)
         if self.flexsp:
+            minutes = getattr(self.args, "distributed_timeout_minutes", None) or 10
             self.pool = SPGroupPool(self.cm.cluster, self.cm.sizes, singletons=True,
-                                    device=torch.device("cpu") if self.on_cpu else None)
+                                    device=torch.device("cpu") if self.on_cpu else None,
+                                    timeout=datetime.timedelta(minutes=minutes))
             log.info("group pool: sizes %s on %d ranks (%d per node), attention %s",
                      self.cm.sizes, self.cm.cluster.num_gpus, self.cm.cluster.gpus_per_node,
                      self.backend)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import multiprocessing as mp
+import os
 import queue
 import time
 from dataclasses import dataclass
@@ -41,7 +42,9 @@ class PlanOutcome:
 
 
 def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, max_seq_len: int,
-                 delay_s: float) -> None:
+                 delay_s: float, nice: int) -> None:
+    if nice and hasattr(os, "nice"):
+        os.nice(nice)  # training processes get the CPU first
     while True:
         item = requests.get()
         if item is None:
@@ -61,16 +64,17 @@ class PlanService:
     """Solver process for one run; create on the planning rank only, :meth:`close` at the end.
 
     ``delay_s`` delays every solve (a test hook: shows that the fallback keeps steps on time).
+    ``nice``: the solver's CPU priority offset (Unix), so that it never slows the training ranks.
     """
 
     def __init__(self, cm, *, strategy: str = "flexsp", config: PlannerConfig | None = None,
                  max_seq_len: int = 0, wait_budget_s: float = 1.0, fallback: str = "batchada",
-                 delay_s: float = 0.0) -> None:
+                 delay_s: float = 0.0, nice: int = 10) -> None:
         if wait_budget_s < 0:
             raise ValueError(f"wait_budget_s={wait_budget_s} must be >= 0")
         self.cm, self.strategy, self.config = cm, strategy, config or PlannerConfig()
         self.max_seq_len, self.wait_budget_s, self.fallback = max_seq_len, wait_budget_s, fallback
-        self.delay_s = delay_s
+        self.delay_s, self.nice = delay_s, nice
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._requests = self._results = None
@@ -84,7 +88,7 @@ class PlanService:
         self._proc = self._ctx.Process(
             target=_solver_main, name="flexsp-planner", daemon=True,
             args=(self._requests, self._results, self.cm, self.strategy, self.config,
-                  self.max_seq_len, self.delay_s))
+                  self.max_seq_len, self.delay_s, self.nice))
         self._proc.start()
 
     def _restart(self) -> None:

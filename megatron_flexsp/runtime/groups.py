@@ -5,9 +5,12 @@
 rank belongs to (communicators are created lazily; a first use mid-step would stall), and afterwards
 only looks groups up. Size-1 groups need no communicator and are represented by ``None``, unless
 ``singletons`` asks for real one-rank groups (Megatron's THD RoPE reads size and rank from a group).
+``timeout`` bounds every collective on these groups (a peer that never arrives raises, not hangs).
 """
 
 from __future__ import annotations
+
+import datetime
 
 import torch
 import torch.distributed as dist
@@ -19,7 +22,8 @@ class SPGroupPool:
     """Every candidate group of ``sizes`` on ``cluster``; collective: call on all ranks alike."""
 
     def __init__(self, cluster: ClusterSpec, sizes: list[int], *, warmup: bool = True,
-                 device: torch.device | None = None, singletons: bool = False) -> None:
+                 device: torch.device | None = None, singletons: bool = False,
+                 timeout: datetime.timedelta | None = None) -> None:
         if not dist.is_initialized():
             raise RuntimeError("SPGroupPool needs torch.distributed to be initialised first")
         world = dist.get_world_size()
@@ -33,7 +37,7 @@ class SPGroupPool:
             if len(block) == 1 and not singletons:
                 self._groups[block] = None
                 continue
-            self._groups[block] = dist.new_group(list(block))  # every rank, same order
+            self._groups[block] = dist.new_group(list(block), timeout=timeout)  # every rank, same order
         if warmup:
             dev = device or torch.device("cpu")
             for block, group in self._groups.items():

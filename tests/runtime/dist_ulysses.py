@@ -22,6 +22,7 @@ from megatron_flexsp.runtime.executor import run_step
 from megatron_flexsp.runtime.testing import (IGNORE, ToyTransformer, local_positions, shifted_labels,
                                              token_loss_sum)
 from megatron_flexsp.runtime.attention import varlen_causal_attention
+from megatron_flexsp.runtime.agreement import check_agreement
 from megatron_flexsp.runtime.groups import SPGroupPool
 from megatron_flexsp.runtime.layout import build_group_layout
 from megatron_flexsp.runtime.ulysses import ulysses_attention
@@ -229,6 +230,15 @@ def main():
 
     # 6. a small transformer with per-token loss: loss and every gradient equal one process
     failures += transformer_checks(pool, rank, world)
+
+    # 7. plan agreement: equal plans pass; one rank with another plan makes every rank raise
+    check_agreement('{"plan": 1}', 0)
+    try:
+        check_agreement('{"plan": 1}' if rank != 2 else '{"plan": 2}', 1)
+        failures.append("plan mismatch did not raise")
+    except RuntimeError as exc:
+        if "rank 2 holds" not in str(exc) or "rank 0 holds" not in str(exc):
+            failures.append(f"mismatch message lacks both hashes: {exc}")
 
     flags = torch.tensor([len(failures)], dtype=torch.int64)
     dist.all_reduce(flags)
