@@ -8,7 +8,9 @@ Same data, model and seed for every row (the demo's real documents, tiny GPT):
   would use packed THD attention);
 - ``static``: our runtime with one homogeneous Ulysses group size for every sequence (the
   DeepSpeed-Ulysses baseline), same varlen attention as FlexSP;
-- ``flexsp``: heterogeneous groups from the planner.
+- ``flexsp``: heterogeneous groups from the planner, solved in the background (default settings);
+- ``flexsp-precomputed``: the same planner with every plan solved before training (the runtime's
+  speed without the solver competing for this machine's 2 cores).
 
 Prints a table and writes JSON: median iteration time (Megatron's log, first 2 iterations skipped),
 the forward-backward part, and our overhead per step: waiting for the plan, dispatching shards,
@@ -60,7 +62,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-length", type=int, default=2048)
     ap.add_argument("--global-batch-size", type=int, default=16)
     ap.add_argument("--data", default=str(ROOT / "data" / "demo" / "pystdlib"))
-    ap.add_argument("--modes", default="plain,static,flexsp")
+    ap.add_argument("--modes", default="plain,static,flexsp,flexsp-precomputed")
     ap.add_argument("--out", default=str(ROOT / "out" / "bench_megatron.json"))
     args = ap.parse_args(argv)
 
@@ -72,7 +74,10 @@ def main(argv=None) -> int:
             extra = []
             if mode != "plain":
                 cfg = Path(tmp) / f"{mode}.yaml"
-                cfg.write_text(f"planner:\n  strategy: {mode}\n")
+                pre = mode.endswith("-precomputed")
+                strategy = mode.removesuffix("-precomputed")
+                cfg.write_text(f"planner:\n  strategy: {strategy}\n"
+                               + ("planning:\n  precompute: true\n" if pre else ""))
                 extra = ["--flexsp", "--flexsp-config", str(cfg)]
             res = run_pretrain(Path(tmp) / mode, data, extra, steps=args.steps,
                                seq_length=args.seq_length, gbs=args.global_batch_size)
@@ -84,11 +89,11 @@ def main(argv=None) -> int:
     for r in rows:
         r["speedup_vs_plain"] = base["plain"]["iteration_ms"] / r["iteration_ms"] if "plain" in base else None
         r["speedup_vs_static"] = base["static"]["iteration_ms"] / r["iteration_ms"] if "static" in base else None
-    head = (f"{'mode':8s} {'iter ms':>9s} {'fwd-bwd':>9s} {'pred':>7s} {'plan':>7s} {'dispatch':>9s} "
+    head = (f"{'mode':19s} {'iter ms':>9s} {'fwd-bwd':>9s} {'pred':>7s} {'plan':>7s} {'dispatch':>9s} "
             f"{'switch':>7s} {'overhead':>9s} {'x plain':>8s} {'x static':>9s} {'loss':>7s}")
     lines = [head]
     for r in rows:
-        lines.append(f"{r['mode']:8s} {r['iteration_ms']:9.0f} {r['forward_backward_ms']:9.0f} "
+        lines.append(f"{r['mode']:19s} {r['iteration_ms']:9.0f} {r['forward_backward_ms']:9.0f} "
                      f"{r.get('predicted_ms', float('nan')):7.0f} {r['plan_wait_ms']:7.0f} "
                      f"{r['dispatch_ms']:9.1f} {r['switch_ms']:7.2f} {100 * r['overhead_share']:8.1f}% "
                      f"{(r['speedup_vs_plain'] or float('nan')):8.2f} "
