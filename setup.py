@@ -14,6 +14,7 @@ setup(
         "numpy>=1.26",
         "pyyaml>=6",
         "matplotlib>=3.8",
+        "psutil>=5",  # Megatron torch_dist checkpoints
     ],
     extras_require={
         "gpu": ["transformer-engine", "flash-attn"],

@@ -1,4 +1,4 @@
-"""Two megatron-core 0.19 ``DistributedOptimizer`` bugs on the resume path with torch's Adam.
+"""Three megatron-core 0.19 ``DistributedOptimizer`` bugs on the resume path with torch's Adam.
 
 Without apex or Transformer Engine (CPU, or a GPU install without them) Megatron falls back to
 ``torch.optim.AdamW``, and resuming from a checkpoint with ``--use-distributed-optimizer``:
@@ -14,8 +14,12 @@ Without apex or Transformer Engine (CPU, or a GPU install without them) Megatron
    wrong (the step count races ahead by the number of parameters each iteration). Fixed by giving
    each parameter its own copy after loading.
 
-(A third one, an assertion on empty optimizer state when loading ``torch_dist`` checkpoints, is not
-patched: use ``--ckpt-format torch``.)
+3. Loading a ``torch_dist`` checkpoint builds the optimizer's sharded state dict before any step
+   has run, while torch's Adam has no state yet: ``state_dict`` asserts that all parameters share
+   exactly one ``step`` and finds none (``assert len(steps) == 1``), and even past that the saved
+   moments would have no tensors to load into. Fixed by creating the state first with Megatron's own
+   ``_init_optimizer_states_with_dummy_values`` (one zero-gradient step; the checkpoint overwrites
+   every value it produced), as Megatron already does for its FSDP path.
 """
 
 from __future__ import annotations
@@ -56,9 +60,27 @@ def _make_unshared_step(original):
     return load_state_dict
 
 
+def _make_sharded_state_dict(original):
+    @functools.wraps(original)
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading=False, *args, **kwargs):
+        import megatron.core.optimizer.distrib_optimizer as mod
+
+        if is_loading and not getattr(mod, "HAVE_APEX_OR_TE", True) and not len(self.optimizer.state):
+            # torch Adam creates its state lazily: make it now (one zero-gradient step whose values
+            # the checkpoint then overwrites) so the template has a step and moments to load into
+            self._init_optimizer_states_with_dummy_values()
+        if model_sharded_state_dict is None:
+            return original(self, is_loading=is_loading, *args, **kwargs)
+        return original(self, model_sharded_state_dict, is_loading, *args, **kwargs)
+
+    return sharded_state_dict
+
+
 def distrib_optimizer_patches() -> list[Patch]:
-    """Fresh patch objects for both fixes (apply with :func:`patches.apply`)."""
+    """Fresh patch objects for the three fixes (apply with :func:`patches.apply`)."""
     return [
+        Patch(_MODULE, "DistributedOptimizer.sharded_state_dict", _make_sharded_state_dict,
+              expect_params=("self", "model_sharded_state_dict", "is_loading")),
         Patch(_MODULE, "DistributedOptimizer._set_main_param_and_optimizer_states", _make_no_grad,
               expect_params=("self", "model_param", "tensors")),
         Patch(_MODULE, "DistributedOptimizer.load_state_dict", _make_unshared_step,
