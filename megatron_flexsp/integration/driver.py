@@ -157,7 +157,8 @@ class StepDriver:
         if dist.get_rank() != 0 or not self.args.save:
             return
         usable = self.sampler.acct.usable_documents
-        consumed = iteration * self.args.global_batch_size
+        consumed = int(getattr(self.args, "consumed_train_samples", 0)
+                       or iteration * self.args.global_batch_size)
         rec = {"format": DATA_STATE_FORMAT, "version": 1, "iteration": iteration,
                "next_step": iteration, "documents_consumed": consumed, "epoch": consumed // usable,
                "position_in_epoch": consumed % usable, "sampler": self.sampler_state(),
