@@ -5,8 +5,9 @@ process holding communicators or threads). The caller asks for step ``k``'s plan
 :meth:`PlanService.request` as early as it knows the batch's lengths (while step ``k-1`` trains) and
 collects it with :meth:`PlanService.take` when step ``k`` starts: if the solver's plan is not there
 within the wait budget, a fallback plan is made in-process (a fast baseline, milliseconds) and the
-late solution is discarded when it arrives. A dead solver is restarted and a failed solve (an
-exception, an infeasible model) yields the fallback with a warning: never a hang.
+late solution is discarded when it arrives; when the solver is still busy with an earlier step the
+step does not wait at all. The solver skips requested steps that have been taken meanwhile. A dead solver is restarted and a failed solve (an exception, an infeasible model)
+yields the fallback with a warning: never a hang.
 
 Stdlib + the planner only (no torch): the service runs on the planning rank; the plan it returns is
 a value to broadcast.
@@ -33,7 +34,11 @@ log = get_logger(__name__)
 
 @dataclass(frozen=True)
 class PlanOutcome:
-    """A plan for one step and how it was obtained (``source``: solver / fallback / fallback-*)."""
+    """A plan for one step and how it was obtained.
+
+    ``source``: ``solver``, or ``fallback-late`` (budget spent), ``fallback-busy`` (the solver was
+    still on an earlier step: no wait), ``fallback-error`` (the solve failed), ``fallback-crash``.
+    """
 
     plan: StepPlan
     source: str
@@ -41,15 +46,37 @@ class PlanOutcome:
     note: str = ""
 
 
+_STARTED = "__started__"
+
+
 def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, max_seq_len: int,
                  delay_s: float, nice: int) -> None:
+    """Solve requested steps, oldest first, skipping those the trainer has already taken."""
     if nice and hasattr(os, "nice"):
         os.nice(nice)  # training processes get the CPU first
+    wanted: dict[int, list[int]] = {}
+    taken = -1
     while True:
-        item = requests.get()
-        if item is None:
-            return
-        step, lens = item
+        items = [requests.get()] if not wanted else []
+        while True:
+            try:
+                items.append(requests.get_nowait())
+            except queue.Empty:
+                break
+        for item in items:
+            if item is None:
+                return
+            if item[0] == "taken":
+                taken = max(taken, item[1])
+            else:
+                wanted[item[1]] = item[2]
+        for k in [k for k in wanted if k <= taken]:
+            del wanted[k]
+        if not wanted:
+            continue
+        step = min(wanted)
+        lens = wanted.pop(step)
+        results.put((step, _STARTED, ""))
         try:
             if delay_s:
                 time.sleep(delay_s)
@@ -80,6 +107,7 @@ class PlanService:
         self._requests = self._results = None
         self._pending: dict[int, np.ndarray] = {}
         self._done: dict[int, tuple[str | None, str]] = {}
+        self._current: int | None = None  # the step the solver is working on, as last reported
         self.restarts = 0
         self._start()
 
@@ -111,25 +139,48 @@ class PlanService:
             self._restart()
         lens = np.asarray(lengths, dtype=np.int64)
         self._pending[step] = lens
-        self._requests.put((step, lens.tolist()))
+        self._requests.put(("solve", step, lens.tolist()))
 
-    def _drain(self, timeout: float) -> None:
+    def _drain(self, timeout: float) -> bool:
+        """Take one message from the solver (waiting up to ``timeout``); False if none came."""
         try:
             step, text, err = self._results.get(timeout=timeout) if timeout > 0 \
                 else self._results.get_nowait()
         except queue.Empty:
-            return
+            return False
+        if text == _STARTED:
+            self._current = step
+            return True
+        if self._current == step:
+            self._current = None
         self._pending.pop(step, None)
         self._done[step] = (text, err)
+        return True
+
+    def _busy_with_older(self, step: int) -> bool:
+        """The solver is still on an earlier step, whose plan is no longer wanted."""
+        return self._current is not None and self._current < step
 
     def take(self, step: int, lengths) -> PlanOutcome:
-        """Step ``step``'s plan: the solver's if it arrives within the budget, else the fallback."""
+        """Step ``step``'s plan: the solver's if it arrives within the budget, else the fallback.
+
+        Afterwards the solver skips step ``step`` (and earlier ones) if it has not started them.
+        """
+        try:
+            return self._take(step, lengths)
+        finally:
+            if self.alive:
+                self._requests.put(("taken", step))
+
+    def _take(self, step: int, lengths) -> PlanOutcome:
         lens = np.asarray(lengths, dtype=np.int64)
         t0 = time.perf_counter()
         if step not in self._pending and step not in self._done:
             self.request(step, lens)
         deadline = t0 + self.wait_budget_s
-        while step not in self._done:
+        while self._drain(0):  # everything the solver has said so far
+            pass
+        while step not in self._done and not self._busy_with_older(step):
             left = deadline - time.perf_counter()
             if left <= 0:
                 break
@@ -139,9 +190,13 @@ class PlanService:
             self._drain(min(left, 0.05))
         for old in [k for k in self._done if k < step]:  # late solutions of earlier steps
             del self._done[old]
+        for old in [k for k in self._pending if k < step]:  # skipped by the solver
+            del self._pending[old]
         if step not in self._done:
             self._pending.pop(step, None)  # its late result is dropped when it arrives
-            return self._fallback(step, lens, t0, "fallback-late",
+            busy = self._busy_with_older(step)
+            return self._fallback(step, lens, t0, "fallback-busy" if busy else "fallback-late",
+                                  f"the solver is still on step {self._current}" if busy else
                                   f"no plan within the {self.wait_budget_s:.2f} s budget")
         text, err = self._done.pop(step)
         if text is None:

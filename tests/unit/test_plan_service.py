@@ -39,13 +39,23 @@ def test_solver_plan_within_budget_and_lookahead(small_cm):
 def test_late_solver_falls_back_and_discards_the_late_plan(small_cm):
     svc = PlanService(small_cm, max_seq_len=16384, wait_budget_s=0.2, delay_s=1.5)
     try:
+        svc.request(0, LENS)
+        limit = time.perf_counter() + 60
+        while svc._current != 0 and time.perf_counter() < limit:  # the solver has begun step 0
+            svc._drain(0.05)
         t0 = time.perf_counter()
         out = svc.take(0, LENS)
         assert out.source == "fallback-late" and out.plan.strategy == "batchada"
         assert time.perf_counter() - t0 < 1.5  # did not wait for the solver
         svc.wait_budget_s = 60
-        nxt = svc.take(1, LENS[:16])  # step 0's late result arrives first and is dropped
-        assert nxt.source == "solver" and len(nxt.plan.seq_lens) == 16
+        svc.request(1, LENS[:16])
+        t0 = time.perf_counter()
+        busy = svc.take(1, LENS[:16])  # the solver is still on step 0: no waiting at all
+        assert busy.source == "fallback-busy" and time.perf_counter() - t0 < 1.0, busy
+        time.sleep(2.0)  # the solver finishes step 0 (dropped: late) and skips step 1 (taken)
+        svc.request(2, LENS[:24])
+        nxt = svc.take(2, LENS[:24])
+        assert nxt.source == "solver" and len(nxt.plan.seq_lens) == 24
     finally:
         svc.close()
 
