@@ -5,10 +5,12 @@ Without apex or Transformer Engine (CPU, or a GPU install without them) Megatron
 
 1. ``_set_main_param_and_optimizer_states`` copies the saved main parameters in place into views of
    leaf tensors that require grad, outside ``no_grad`` ("a view of a leaf Variable that requires
-   grad is being used in an in-place operation"), and looks up torch Adam's ``step`` among the saved
-   per-parameter tensors, which never hold it (``KeyError: 'step'``): the load crashes. Fixed by
-   running it under ``torch.no_grad()`` with ``step`` marked as not saved there (the step count is
-   restored by ``load_state_dict``).
+   grad is being used in an in-place operation"), and looks up torch Adam's ``step`` among the
+   per-parameter tensors: absent from ``torch`` checkpoints (``KeyError: 'step'``, the load
+   crashes), and in ``torch_dist`` checkpoints the load template's value, which silently resets
+   the step (the resumed run's second step diverged by 0.4%). Fixed by running it under
+   ``torch.no_grad()`` and never copying ``step`` there: the step count is restored from the param
+   groups by ``load_state_dict``, as Megatron's own comments intend.
 2. ``load_state_dict`` gives every parameter's Adam state the *same* ``step`` tensor; torch's Adam
    increments it once per parameter per step, so after a resume the bias correction is silently
    wrong (the step count races ahead by the number of parameters each iteration). Fixed by giving
@@ -20,6 +22,9 @@ Without apex or Transformer Engine (CPU, or a GPU install without them) Megatron
    moments would have no tensors to load into. Fixed by creating the state first with Megatron's own
    ``_init_optimizer_states_with_dummy_values`` (one zero-gradient step; the checkpoint overwrites
    every value it produced), as Megatron already does for its FSDP path.
+
+With all three, a resume reproduces the uninterrupted run exactly with ``--ckpt-format torch`` (CI
+test) and ``torch_dist`` (checked by hand: see the README).
 """
 
 from __future__ import annotations
@@ -36,8 +41,9 @@ _MODULE = "megatron.core.optimizer.distrib_optimizer"
 def _make_no_grad(original):
     @functools.wraps(original)
     def _set_main_param_and_optimizer_states(self, model_param, tensors):
-        if "step" not in tensors:
-            tensors = {**tensors, "step": None}  # non-tensor entries are skipped by the original
+        # torch Adam's step comes from the param groups (load_state_dict); a per-parameter "step"
+        # here is absent (torch format) or the load template's value (torch_dist): never copy it
+        tensors = {**tensors, "step": None}  # non-tensor entries are skipped by the original
         with torch.no_grad():
             return original(self, model_param, tensors)
 
