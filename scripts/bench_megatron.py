@@ -22,7 +22,6 @@ switching groups (each the maximum over ranks).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.megatron_runs import build_dataset, run_pretrain  # noqa: E402
+from tests.integration.megatron_runs import build_dataset, run_pretrain, write_report  # noqa: E402
 
 
 def _median(xs):
@@ -98,11 +97,7 @@ def main(argv=None) -> int:
                      f"{r['dispatch_ms']:9.1f} {r['switch_ms']:7.2f} {100 * r['overhead_share']:8.1f}% "
                      f"{(r['speedup_vs_plain'] or float('nan')):8.2f} "
                      f"{(r['speedup_vs_static'] or float('nan')):9.2f} {r['final_loss']:7.3f}")
-    sys.stdout.write("\n".join(lines) + "\n")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
-    sys.stdout.write(f"wrote {out}\n")
+    write_report(args.out, lines, {"settings": vars(args), "rows": rows})
     return 0
 
 

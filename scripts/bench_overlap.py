@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.megatron_runs import build_dataset, run_pretrain  # noqa: E402
+from tests.integration.megatron_runs import build_dataset, run_pretrain, write_report  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -80,11 +79,7 @@ def main(argv=None) -> int:
         lines.append(f"{r['run']:12s} {r['iteration_ms']:8.0f} {r['forward_backward_ms']:8.0f} "
                      f"{r['predicted_ms']:6.0f} {r['plan_wait_ms']:6.0f} {r['max_plan_wait_ms']:9.0f} "
                      f"{r['ratio_to_precomputed']:6.3f}  {r['sources']}")
-    sys.stdout.write("\n".join(lines) + "\n")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "rows": rows}, indent=1))
-    sys.stdout.write(f"wrote {out}\n")
+    write_report(args.out, lines, {"settings": vars(args), "rows": rows})
     return 0
 
 

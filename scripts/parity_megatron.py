@@ -11,7 +11,6 @@ writes JSON; exit status 1 when a step is outside the tolerance.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.integration.megatron_runs import build_dataset, run_pretrain  # noqa: E402
+from tests.integration.megatron_runs import build_dataset, run_pretrain, write_report  # noqa: E402
 
 RTOL = 1e-5
 
@@ -62,10 +61,7 @@ def main(argv=None) -> int:
                      f"{r['loss_rel_diff']:9.1e} {r['grad_norm_rel_diff']:9.1e}  {r['groups']}")
     lines.append(f"worst relative difference: loss {worst_loss:.2e}, grad norm {worst_norm:.2e} "
                  f"(tolerance {RTOL:.0e}): {'PASS' if ok else 'FAIL'}")
-    sys.stdout.write("\n".join(lines) + "\n")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": vars(args), "rtol": RTOL, "pass": ok, "rows": rows}, indent=1))
+    write_report(args.out, lines, {"settings": vars(args), "rtol": RTOL, "pass": ok, "rows": rows})
     return 0 if ok else 1
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import re
 import time
 from pathlib import Path
 
@@ -53,13 +54,9 @@ def data_prefixes(args) -> list[str]:
     paths = list(args.data_path or [])
     if not paths:
         raise ValueError("--data-path is required (a Megatron indexed dataset prefix)")
-    try:
-        float(paths[0])
+    if re.fullmatch(r"[0-9.eE+-]+", paths[0]):  # Megatron's blend syntax: WEIGHT PREFIX ...
         raise ValueError(f"--data-path {' '.join(paths)}: weighted blends are not supported by the "
                          f"document sampler; give one or more unweighted prefixes")
-    except ValueError as exc:
-        if "blends" in str(exc):
-            raise
     return paths
 
 
@@ -122,6 +119,7 @@ class StepDriver:
         self.backend = settings.runtime.backend(on_cpu)
         self.pool = None
         self.switch = None
+        self.schedule = None
         self.service = None
         self.precomputed: dict[int, object] = {}
         self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
@@ -195,8 +193,10 @@ class StepDriver:
     # ------------------------------------------------------------------ setup on first step
     def _setup(self, model) -> None:
         from patches.context_parallel import ContextParallelSwitch
+        from patches.schedule import megatron_no_pipelining
 
         self.switch = ContextParallelSwitch(model)
+        self.schedule = megatron_no_pipelining()  # checked once, not every step
         if self.flexsp:
             minutes = getattr(self.args, "distributed_timeout_minutes", None) or 10
             self.pool = SPGroupPool(self.cm.cluster, self.cm.sizes, singletons=True,
@@ -246,14 +246,15 @@ class StepDriver:
             payload = [plan.to_json(), source]
         dist.broadcast_object_list(payload, src=0)
         plan = StepPlan.from_json(payload[0])
-        check_agreement(payload[0], batch.step, self.agree_device)
+        check_agreement(payload[0], batch.step, self.device)
         model = self.cm.model
         check_plan(plan, self.pool, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                    kv_replication=self.settings.runtime.kv_replication)
         return plan, time.perf_counter() - t0, payload[1]
 
     @property
-    def agree_device(self) -> torch.device:
+    def device(self) -> torch.device:
+        """Where this rank's tensors live: CPU in CPU mode, else its GPU."""
         return torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
 
     def close(self) -> None:
@@ -266,14 +267,12 @@ class StepDriver:
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
                          seq_length, micro_batch_size, forward_only=False, **kwargs):
         """Drop-in for Megatron's schedule function (``num_microbatches`` comes from the data)."""
-        from patches.schedule import megatron_no_pipelining
-
         chunks = model if isinstance(model, list) else [model]
         if self.switch is None:
             self._setup(chunks)
         batch = next(data_iterator)
         rank, world = dist.get_rank(), dist.get_world_size()
-        device = torch.device("cpu") if self.on_cpu else torch.device("cuda", torch.cuda.current_device())
+        device = self.device
         plan, plan_s, dispatch_s, placeholder, source = None, 0.0, 0.0, False, ""
         if self.flexsp:
             plan, plan_s, source = self._plan(batch)
@@ -288,7 +287,7 @@ class StepDriver:
         t0 = time.perf_counter()
         feed = _SwitchingIterator(items, self.switch)
         try:
-            out = megatron_no_pipelining()(
+            out = self.schedule(
                 forward_step_func=forward_step_func, data_iterator=feed,
                 model=model, num_microbatches=len(items), seq_length=seq_length,
                 micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)

@@ -10,6 +10,7 @@ per-token loss terms, so losses agree up to float rounding.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -70,8 +71,6 @@ def flexsp_micro_batches(plan: StepPlan, batch: GlobalBatch, *, pool, rank: int,
     Returns the items and the seconds spent in dispatch. ``pool`` maps ranks to process groups
     (one-rank groups included); ``max_position``: size of a learned position table, if any.
     """
-    import time
-
     lengths = [int(x) for x in plan.seq_lens]
     if lengths != [int(x) for x in batch.lengths]:
         raise ValueError(f"step {batch.step}: the plan's sequence lengths differ from the batch's "

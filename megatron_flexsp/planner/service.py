@@ -15,7 +15,6 @@ a value to broadcast.
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -210,7 +209,7 @@ class PlanService:
 
     def _fallback(self, step: int, lens: np.ndarray, t0: float, source: str, note: str) -> PlanOutcome:
         plan = plan_step(lens, self.cm, strategy=self.fallback,
-                         config=dataclasses.replace(self.config), max_seq_len=self.max_seq_len)
+                         config=self.config, max_seq_len=self.max_seq_len)
         log.info("step %d: %s plan (%s): %s", step, self.fallback, source, note)
         return PlanOutcome(plan, source, time.perf_counter() - t0, note)
 

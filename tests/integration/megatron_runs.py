@@ -75,3 +75,11 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
     iters = {int(m.group(1)): (float(m.group(3)), float(m.group(4))) for m in found}
     times = {int(m.group(1)): float(m.group(2)) for m in found}
     return RunResult(proc.returncode, text, records, iters, times)
+
+
+def write_report(path: str, lines: list[str], payload: dict) -> None:
+    """Print a benchmark's table and write its JSON (parent folders created)."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1))
+    sys.stdout.write("\n".join(lines) + f"\nwrote {out}\n")
