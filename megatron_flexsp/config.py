@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, fields
 
 OVER_LENGTH_POLICIES = ("error", "truncate", "drop")
+SEARCHES = ("level", "milp")
 STRATEGIES = ("static", "batchada", "megatron-dcp", "flexsp")
 
 
@@ -25,6 +26,10 @@ class PlannerConfig:
     node_slot_trigger: when at least this many long sequences need half a node or more, the step
         MILP also gives node-sized groups explicit slots: on 20 Wikipedia batches at 64 GPUs the worst
         gap fell from 11.2% to 4.0% and planning took about 2x longer. A large value turns it off.
+    search: "level" (level packing, :mod:`planner.level`; fast) or "milp" (level packing, then the
+        step MILP warm-started from it: exact on small instances, seconds at 64 GPUs).
+    bound_lp_solves: LP solves spent on the lower bound (:mod:`planner.bound`); 0 keeps the simple
+        bound only. The bound never changes the plan, only the reported gap.
     over_length: what to do with a sequence longer than the cluster holds: "error", "truncate", "drop".
     """
 
@@ -40,6 +45,8 @@ class PlannerConfig:
     slot_min_size: int = 4
     refine_node_limit: int = 50
     node_slot_trigger: int = 2
+    search: str = "level"
+    bound_lp_solves: int = 150
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:
@@ -55,6 +62,10 @@ class PlannerConfig:
                              f"must be positive")
         if not 0.0 <= self.rel_gap < 1.0:
             raise ValueError(f"rel_gap={self.rel_gap} must be in [0, 1)")
+        if self.search not in SEARCHES:
+            raise ValueError(f"search={self.search!r} must be one of {SEARCHES}")
+        if self.bound_lp_solves < 0:
+            raise ValueError(f"bound_lp_solves={self.bound_lp_solves} must be >= 0")
         if self.over_length not in OVER_LENGTH_POLICIES:
             raise ValueError(f"over_length={self.over_length!r} must be one of {OVER_LENGTH_POLICIES}")
 

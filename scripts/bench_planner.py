@@ -8,7 +8,7 @@ time per strategy and flexsp's speedups; then a head-to-head with the reference'
 (HiGHS, 10 s limit per micro-batch) on the first batches at the smallest N. Prints tables and writes
 JSON (default out/bench_planner.json). Example:
 
-    python scripts/bench_planner.py --gpus 64,256,1024 --batches 20,5,2 --ref-batches 5
+    python scripts/bench_planner.py --gpus 64,256,1024,4096 --batches 20,5,2,1 --ref-batches 5
 """
 
 from __future__ import annotations
@@ -56,10 +56,9 @@ def bench_setting(n, batches, cm, cfg, max_len):
             if s == "flexsp":
                 row[s].update({"gap": plan.gap, "lower_bound_ms": plan.lower_bound_ms,
                                "method": plan.method, "bucketing_error": plan.bucketing_error,
-                               "milp_status": plan.info.get("milp_status"),
-                               "refine_status": plan.info.get("refine_status"),
-                               "milp_time_s": plan.info.get("milp_time_s"),
-                               "refine_time_s": plan.info.get("refine_time_s")})
+                               "level_time_s": plan.info.get("level_time_s"),
+                               "lp_time_s": plan.info.get("lp_time_s", 0.0),
+                               "lp_solves": plan.info.get("lp_solves", 0)})
         rows.append(row)
         f = row["flexsp"]
         print(f"  N={n} batch {k + 1}/{len(batches)}: flexsp {f['step_ms']:.0f} ms "
@@ -89,9 +88,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--lengths", default=str(Path(__file__).resolve().parents[2] / "shared" / "seqlen"
                                              / "flexsp_wikipedia_seqlens.txt"))
-    ap.add_argument("--gpus", default="64,256,1024")
-    ap.add_argument("--batches", default="20,5,2", help="batches per cluster size")
+    ap.add_argument("--gpus", default="64,256,1024,4096")
+    ap.add_argument("--batches", default="20,5,2,1", help="batches per cluster size")
     ap.add_argument("--ref-batches", type=int, default=5)
+    ap.add_argument("--milp-batches", type=int, default=5,
+                    help="also plan this many batches at the smallest N with search=milp (the step "
+                         "MILP warm-started from level packing) to compare quality, bound and time")
     ap.add_argument("--ref-time-limit", type=float, default=10.0)
     ap.add_argument("--profile", default="a100-paper")
     ap.add_argument("--model", default="gpt-7b")
@@ -107,13 +109,25 @@ def main() -> int:
     profile = load_profile(args.profile)
     cfg = PlannerConfig()
     result = {"profile": args.profile, "model": args.model, "max_seq_len": args.max_seq_len,
-              "planner_config": cfg.to_dict(), "paper": PAPER, "settings": [], "reference": []}
+              "planner_config": cfg.to_dict(), "paper": PAPER, "settings": [], "reference": [], "milp": []}
     for n, k in zip(gpus, counts):
         cm = CostModel.from_profile(profile, get_model(args.model), num_gpus=n, max_seq_len=args.max_seq_len)
         batches, _ = sample_batches(lengths, global_batch=8 * n, num_batches=k, seed=args.seed,
                                     max_seq_len=args.max_seq_len)
         summary, rows = bench_setting(n, batches, cm, cfg, args.max_seq_len)
         result["settings"].append({"summary": summary, "batches": rows})
+        if n == gpus[0] and args.milp_batches > 0:
+            mcfg = PlannerConfig(search="milp")
+            for j, b in enumerate(batches[:args.milp_batches]):
+                t0 = time.perf_counter()
+                plan = plan_step(b, cm, config=mcfg, max_seq_len=args.max_seq_len)
+                result["milp"].append({"batch": j, "milp_step_ms": plan.predicted_step_ms,
+                                       "milp_bound_ms": plan.lower_bound_ms,
+                                       "milp_plan_s": time.perf_counter() - t0, "milp_method": plan.method,
+                                       "level_step_ms": rows[j]["flexsp"]["step_ms"],
+                                       "level_bound_ms": rows[j]["flexsp"]["lower_bound_ms"],
+                                       "level_plan_s": rows[j]["flexsp"]["plan_s"]})
+                print(f"  milp batch {j + 1}/{args.milp_batches}", file=sys.stderr, flush=True)
         if n == gpus[0] and args.ref_batches > 0:
             for j, b in enumerate(batches[:args.ref_batches]):
                 plan, info = plan_reference(b, cm, time_limit_s=args.ref_time_limit, seed=args.seed)
@@ -140,6 +154,17 @@ def main() -> int:
     print(f"paper (Wikipedia, 6.7B, 192K, 64 GPUs): FlexSP {PAPER['flexsp_vs_deepspeed']}x over DeepSpeed, "
           f"{PAPER['flexsp_vs_megatron']}x over Megatron; BatchAda {PAPER['batchada_vs_deepspeed']}x / "
           f"{PAPER['batchada_vs_megatron']}x, i.e. FlexSP {PAPER['flexsp_vs_deepspeed'] / PAPER['batchada_vs_deepspeed']:.2f}x over BatchAda")
+    sets = result["settings"]
+    for a, b in zip(sets, sets[1:]):
+        sa, sb = a["summary"], b["summary"]
+        print(f"latency growth {sa['num_gpus']} -> {sb['num_gpus']} GPUs "
+              f"(x{sb['num_gpus'] / sa['num_gpus']:.0f} GPUs and sequences): p50 x{sb['plan_p50_s'] / sa['plan_p50_s']:.1f}")
+    if result["milp"]:
+        print(f"\nlevel packing (default) vs search=milp (step MILP warm-started from it), N={gpus[0]}")
+        print(f"{'batch':>5} {'level ms':>9} {'bound':>7} {'s':>6} {'milp ms':>9} {'bound':>7} {'s':>6}  method")
+        for r in result["milp"]:
+            print(f"{r['batch']:>5} {r['level_step_ms']:>9.0f} {r['level_bound_ms']:>7.0f} {r['level_plan_s']:>6.2f} "
+                  f"{r['milp_step_ms']:>9.0f} {r['milp_bound_ms']:>7.0f} {r['milp_plan_s']:>6.2f}  {r['milp_method']}")
     if result["reference"]:
         print(f"\nHead-to-head with the reference per-slot MILP (HiGHS, {args.ref_time_limit:.0f} s per micro-batch), N={gpus[0]}")
         print(f"{'batch':>5} {'reference ms':>13} {'ref plan s':>10} {'flexsp ms':>10} {'flexsp s':>9} {'batchada ms':>11}  reference status")

@@ -6,8 +6,10 @@ Strategies (same harness, same cost model, same packing helpers):
   a Megatron-CP / DeepSpeed-Ulysses user must choose it -- with the best micro-batch count;
 * ``batchada``: the best single group size for this batch;
 * ``megatron-dcp``: Megatron's dynamic-context-parallel greedy;
-* ``flexsp``: the step MILP (HiGHS), realized on the real lengths, never worse than its fallbacks
-  (the FlexSP greedy and the best homogeneous plan), with a valid lower bound and its gap.
+* ``flexsp``: level packing (:mod:`level`), never worse than the best homogeneous plan, with a
+  valid lower bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batch's
+  makespan) and its gap; ``search="milp"`` adds the step MILP (HiGHS) warm-started from it, for an
+  exact optimum on small instances and its dual bound.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bucketing import make_buckets
-from megatron_flexsp.planner.layout import Tables, to_step_plan
+from megatron_flexsp.planner.bound import lp_step_bound
+from megatron_flexsp.planner.layout import Tables, improve_layout, to_step_plan
+from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.milp import MilpOptions, MilpResult, solve_step_milp
 from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
 from megatron_flexsp.utils.logging import get_logger
@@ -139,17 +143,62 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
     return SimpleBounds(max(H.min_micro_batches(tab) * f_min + area, fastest), f_min, area)
 
 
+def _level_plans(tab: Tables, cfg: PlannerConfig, upper_ms: float) -> list[tuple[float, str, list]]:
+    """Level-packing layouts for the memory-minimum micro-batch count and up to
+    ``cfg.max_extra_micro_batches`` more, each searched only while it could beat the best so far."""
+    packer = LevelPacker(tab)
+    items = np.arange(len(tab.lens))
+    m_min = H.min_micro_batches(tab)
+    out, best = [], upper_ms
+    for m in range(m_min, m_min + cfg.max_extra_micro_batches + 1):
+        if packer.lower_bound(items, m) >= best:
+            break
+        layout = packer.plan(items, m, upper_ms=best)
+        if layout is None:
+            continue
+        improve_layout(layout, tab)
+        ms = tab.step_ms(layout)
+        out.append((ms, "level", layout))
+        best = min(best, ms)
+    return out
+
+
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     candidates = []
-    greedy = H.greedy(tab)
-    if greedy is not None:
-        candidates.append((tab.step_ms(greedy), "greedy", greedy))
     homo = H.best_homogeneous(tab, tab.sizes)
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
+    t0 = time.perf_counter()
+    candidates += _level_plans(tab, cfg, min((c[0] for c in candidates), default=math.inf))
+    level_time = time.perf_counter() - t0
+    if not any(name == "level" for _, name, _ in candidates):
+        greedy = H.greedy(tab)
+        if greedy is not None:
+            candidates.append((tab.step_ms(greedy), "greedy", greedy))
     if not candidates:
         raise ValueError("no memory-feasible plan exists for this batch")
     bounds = simple_bounds(tab)
+    bound = bounds.base
+    info: dict = {"level_time_s": level_time}
+    if cfg.search == "milp":
+        bound = max(bound, _milp_search(tab, cfg, candidates, bounds, info))
+    best_ms = min(c[0] for c in candidates)
+    if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
+        t0 = time.perf_counter()
+        lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
+                           max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap)
+        info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
+        bound = max(bound, lp.bound_ms)
+    best_ms, method, layout = min(candidates, key=lambda c: c[0])
+    info["candidates_ms"] = {name: ms for ms, name, _ in candidates}
+    return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
+                        info=info, bucketing_error=info.get("bucketing_error", 0.0))
+
+
+def _milp_search(tab: Tables, cfg: PlannerConfig, candidates: list, bounds: SimpleBounds,
+                 info: dict) -> float:
+    """The step MILP (HiGHS) with iterative deepening over the micro-batch count, warm-started from
+    the best candidate; appends its realized layouts to ``candidates``, returns its valid bound."""
     m_min = H.min_micro_batches(tab)
     longs, rest = select_long(tab, fraction=cfg.long_fraction, max_long=cfg.max_long)
     cm = tab.cm
@@ -185,15 +234,12 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     bound = bounds.base
     if math.isfinite(res.dual_bound_ms):
         bound = max(bound, min(res.dual_bound_ms, bounds.tail(m_max)))
-    best_ms, method, layout = min(candidates, key=lambda c: c[0])
-    info = {"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": milp_time,
-            "refine_time_s": refine_time,
-            "refine_status": refined.status if refined else "",
-            "milp_objective_ms": res.objective_ms, "milp_dual_bound_ms": res.dual_bound_ms,
-            "m_max": m_max, "num_long": len(longs), "num_buckets": len(buckets.members),
-            "candidates_ms": {name: ms for ms, name, _ in candidates}}
-    return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=bound,
-                        info=info, bucketing_error=buckets.error)
+    info.update({"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": milp_time,
+                 "refine_time_s": refine_time, "refine_status": refined.status if refined else "",
+                 "milp_objective_ms": res.objective_ms, "milp_dual_bound_ms": res.dual_bound_ms,
+                 "m_max": m_max, "num_long": len(longs), "num_buckets": len(buckets.members),
+                 "bucketing_error": buckets.error})
+    return bound
 
 
 def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets, *, upper_ms: float,

@@ -43,7 +43,8 @@ def test_gpt7b_64gpu_config_parses_and_fits(monkeypatch):
 
 
 @pytest.mark.parametrize("script", ["scripts/launch_local.sh", "scripts/slurm/train_flexsp.sbatch",
-                                    "scripts/demo_cpu.sh", "scripts/tiny_gpt_args.sh"])
+                                    "scripts/demo_cpu.sh", "scripts/tiny_gpt_args.sh",
+                                    "scripts/slurm/profile.sbatch", "scripts/gpu_check.sh"])
 def test_launchers_are_valid_bash(script):
     out = subprocess.run(["bash", "-n", str(ROOT / script)], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

@@ -11,7 +11,7 @@ from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.sim import simulate
 from tests.unit.helpers import tiny_cost_model
 
-EXACT = PlannerConfig(long_fraction=1e-6, max_long=1000, max_extra_micro_batches=6)
+EXACT = PlannerConfig(search="milp", long_fraction=1e-6, max_long=1000, max_extra_micro_batches=6)
 
 
 def _set_partitions(items):

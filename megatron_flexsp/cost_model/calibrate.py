@@ -1,0 +1,109 @@
+"""Fit cost-model coefficients to measurements and write them as a profile (numpy only).
+
+The profiler (:mod:`megatron_flexsp.runtime.profiler`) measures; this module turns its numbers into
+the profile JSON the planner loads (:func:`megatron_flexsp.cost_model.profile.parse_profile`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ComputeFit:
+    """``time_ms(s) = overhead_ms + a_lin * s + a_attn * s**2`` for one sequence of ``s`` tokens on
+    one GPU (forward + backward, whole model); ``rel_err``: RMS relative error of the fit."""
+
+    overhead_ms: float
+    a_lin_ms_per_token: float
+    a_attn_ms_per_token2: float
+    rel_err: float
+
+
+@dataclass(frozen=True)
+class AllToAllFit:
+    """``time_ms(bytes) = latency_ms + bytes / (bandwidth_mib_per_ms * 2**20)`` per all-to-all call
+    on a group of ``group_size``; ``rel_err``: RMS relative error of the fit."""
+
+    group_size: int
+    latency_ms: float
+    bandwidth_mib_per_ms: float
+    rel_err: float
+
+
+def _nonneg_lstsq(a: np.ndarray, y: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0 (drops negative ones and refits; few columns)."""
+    cols = list(range(a.shape[1]))
+    while True:
+        coef = np.linalg.lstsq(a[:, cols] * weights[:, None], y * weights, rcond=None)[0]
+        if (coef >= 0).all() or len(cols) == 1:
+            out = np.zeros(a.shape[1])
+            out[cols] = np.maximum(coef, 0.0)
+            return out
+        cols.pop(int(np.argmin(coef)))
+
+
+def _rel_err(pred: np.ndarray, y: np.ndarray) -> float:
+    return float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
+
+
+def fit_compute(lengths, times_ms) -> ComputeFit:
+    """Fit measured forward+backward times (ms) of single sequences of ``lengths`` tokens.
+
+    Relative least squares (each point weighted by 1/time) so short and long sequences count alike.
+    """
+    s = np.asarray(lengths, dtype=np.float64)
+    y = np.asarray(times_ms, dtype=np.float64)
+    if len(s) < 3 or len(s) != len(y):
+        raise ValueError(f"need at least 3 (length, time) points of equal count, got {len(s)} and {len(y)}")
+    if (y <= 0).any():
+        raise ValueError(f"measured times must be positive, got min {y.min()}")
+    a = np.stack([np.ones_like(s), s, s * s], axis=1)
+    c = _nonneg_lstsq(a, y, 1.0 / y)
+    return ComputeFit(float(c[0]), float(c[1]), float(c[2]), _rel_err(a @ c, y))
+
+
+def fit_alltoall(group_size: int, nbytes, times_ms) -> AllToAllFit:
+    """Fit measured all-to-all times (ms) against bytes sent per GPU for one group size."""
+    b = np.asarray(nbytes, dtype=np.float64)
+    y = np.asarray(times_ms, dtype=np.float64)
+    if len(b) < 2 or len(b) != len(y):
+        raise ValueError(f"need at least 2 (bytes, time) points of equal count, got {len(b)} and {len(y)}")
+    a = np.stack([np.ones_like(b), b], axis=1)
+    c = _nonneg_lstsq(a, y, 1.0 / y)
+    per_byte = max(float(c[1]), 1e-15)
+    return AllToAllFit(group_size, float(c[0]), 1.0 / (per_byte * 2 ** 20), _rel_err(a @ c, y))
+
+
+def measured_profile(base: dict, *, hardware: str, gpus_per_node: int, model_name: str, shape: dict,
+                     compute: ComputeFit, alltoall: list[AllToAllFit], activation_bytes_per_token: float,
+                     num_layers: int, source: str) -> dict:
+    """A profile dict: ``base``'s device and state fields, with measured coefficients for
+    ``model_name`` and measured all-to-all tables (intra-node: size <= ``gpus_per_node``).
+
+    The per-group-per-micro-batch overhead is the fit's intercept; the profile's per-layer overhead
+    (used for other models) is that divided by ``num_layers``.
+    """
+    out = copy.deepcopy(base)
+    out.update({"hardware": hardware, "estimated": False, "source": source,
+                "gpus_per_node": int(gpus_per_node),
+                "group_overhead_ms_per_layer": compute.overhead_ms / num_layers})
+    intra = [f for f in alltoall if f.group_size <= gpus_per_node]
+    inter = [f for f in alltoall if f.group_size > gpus_per_node]
+    out["alltoall"] = {
+        "intra_node": [{"group_size": f.group_size, "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
+                        "latency_ms": f.latency_ms} for f in intra],
+        "inter_node": [{"group_size": f.group_size, "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
+                        "latency_ms": f.latency_ms} for f in inter],
+    }
+    out.setdefault("models", {})
+    out["models"] = {model_name: {
+        "shape": shape, "a_attn_ms_per_token2": compute.a_attn_ms_per_token2,
+        "a_lin_ms_per_token": compute.a_lin_ms_per_token, "group_overhead_ms": compute.overhead_ms,
+        "activation_bytes_per_token": float(activation_bytes_per_token),
+        "fit": {"compute_rel_err": compute.rel_err,
+                "alltoall_rel_err": {str(f.group_size): f.rel_err for f in alltoall}}}}
+    return out

@@ -1,0 +1,272 @@
+"""A valid lower bound on the step time, by branch and bound over the fullest micro-batch's makespan.
+
+Any plan with ``m`` micro-batches has a slowest micro-batch of makespan ``T1`` (fixed costs
+included) and the others sum to ``R``; the step time is ``T1 + R``. For a fixed ``T1`` the linear
+program below is a relaxation of every such plan, so its optimum ``R*(T1)`` bounds ``R`` from below:
+
+* micro-batch 1, per group size ``d``: a continuous group count ``n_d`` with the work of the
+  sequences put there within ``n_d (T1 - f_d)``, their tokens within ``n_d d C``, sequences holding
+  more than half a group's memory one per group, ``sum_d d n_d <= N``; a sequence (or bucket) may use
+  size ``d`` only if it fits its memory and finishes within ``T1`` there;
+* the other micro-batches, pooled: GPU-time within ``N (R - (m-1) f_min)``, tokens within
+  ``(m-1) N C``, and each individual sequence's own time within ``R``.
+
+Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
+reality, so still a relaxation). ``R*`` is non-increasing in ``T1``, hence on an interval
+``[a, b]`` of ``T1`` the step is at least ``a + R*(b)``; intervals are split where the bound is
+lowest until it is within a tolerance or the interval is narrow (a few LP re-solves, independent of N).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import highspy
+import numpy as np
+
+from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.layout import Tables
+from megatron_flexsp.planner.milp import _quiet_stdout
+
+
+@dataclass(frozen=True)
+class BoundResult:
+    """``bound_ms``: valid lower bound on the step time for plans with ``m`` micro-batches;
+    ``lp_solves``: linear programs solved; ``intervals``: open intervals at the end."""
+
+    m: int
+    bound_ms: float
+    lp_solves: int
+    intervals: int
+
+
+class _StepLP:
+    """The relaxation for a fixed ``m``; ``solve(T1)`` returns ``R*(T1)`` (inf when infeasible)."""
+
+    def __init__(self, tab: Tables, m: int, units: list[tuple[np.ndarray, bool]]) -> None:
+        cm = tab.cm
+        self.tab, self.m = tab, m
+        n_gpus, cap1 = cm.cluster.num_gpus, cm.capacity_tokens
+        sizes = tab.sizes
+        self.f_min = min(tab.fixed.values())
+        lb, ub, cost, rows = [], [], [], []
+
+        def col(lo, hi, c=0.0):
+            lb.append(lo), ub.append(hi), cost.append(c)
+            return len(lb) - 1
+
+        self.R = col((m - 1) * self.f_min, math.inf, 1.0)
+        self.n = {d: col(0.0, float(n_gpus // d)) for d in sizes}
+        self.nr = {d: col(0.0, float((m - 1) * (n_gpus // d))) for d in sizes}
+        self.x1, xr = {}, {}
+        self.total1: dict[int, float] = {}   # column -> finish time alone (ms), for the T1 filter
+        self.total_r: dict[int, float] = {}  # the same for the pooled micro-batches (R filter)
+        area_idx, area_val, mem_idx, mem_val = [self.R], [-float(n_gpus)], [], []
+        per_d = {d: ([], [], [], [], []) for d in sizes}  # time idx/val, mem idx/val, heavy idx
+        per_r = {d: ([], [], [], [], []) for d in sizes}  # the same for the pooled micro-batches
+        for u, (members, single) in enumerate(units):
+            tokens = float(tab.lens[members].sum())
+            longest = int(tab.lens[members].max())
+            lo = int(tab.lens[members].min())
+            own = []
+            for d in sizes:
+                if longest > tab.cap[d]:
+                    continue
+                if single:
+                    t = float(tab.time[d][members[0]])
+                else:  # fluid bucket at its shortest member's rate
+                    t = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo * tokens
+                c1 = col(0.0, 1.0)
+                self.x1[u, d] = c1
+                self.total1[c1] = float(tab.time[d][members].max() if single else
+                                        cm.seq_time_ms(np.array([lo]), d)[0]) + tab.fixed[d]
+                ti, tv, mi, mv, hv = per_d[d]
+                ti.append(c1), tv.append(t), mi.append(c1), mv.append(tokens)
+                if single and longest * 2 > tab.cap[d]:
+                    hv.append(c1)
+                if single:  # a sequence placed there needs at least one whole group
+                    rows.append((-math.inf, 0.0, [c1, self.n[d]], [1.0, -1.0]))
+                cr = col(0.0, 1.0)
+                xr[u, d] = cr
+                self.total_r[cr] = self.total1[c1]
+                area_idx.append(cr), area_val.append(d * t)
+                ti, tv, mi, mv, hv = per_r[d]
+                ti.append(cr), tv.append(t), mi.append(cr), mv.append(tokens)
+                if single and longest * 2 > tab.cap[d]:
+                    hv.append(cr)
+                if single:
+                    rows.append((-math.inf, 0.0, [cr, self.nr[d]], [1.0, -1.0]))
+                mem_idx.append(cr), mem_val.append(tokens)
+                own.append((c1, cr, t + tab.fixed[d]))
+            if not own:
+                raise ValueError(f"sequence of {longest} tokens fits no group "
+                                 f"(largest holds {max(tab.cap.values())})")
+            rows.append((1.0, 1.0, [c for c1, cr, _ in own for c in (c1, cr)], [1.0] * (2 * len(own))))
+            if single:
+                rows.append((-math.inf, 0.0, [cr for _, cr, _ in own] + [self.R],
+                             [tt for _, _, tt in own] + [-1.0]))
+        # per size: work within groups x level (coefficient set per probe), tokens within memory,
+        # sequences over half a group's memory one per group
+        self.time_rows, self.time_rows_r = {}, {}
+        for per, cnt, where in ((per_d, self.n, self.time_rows), (per_r, self.nr, self.time_rows_r)):
+            for d in sizes:
+                ti, tv, mi, mv, hv = per[d]
+                if not ti:
+                    continue
+                where[d] = len(rows)
+                rows.append((-math.inf, 0.0, ti + [cnt[d]], tv + [0.0]))
+                rows.append((-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])]))
+                if len(hv) > 1:
+                    rows.append((-math.inf, 0.0, hv + [cnt[d]], [1.0] * len(hv) + [-1.0]))
+        rows.append((-math.inf, float(n_gpus), list(self.n.values()), [float(d) for d in self.n]))
+        rows.append((-math.inf, float((m - 1) * n_gpus), list(self.nr.values()), [float(d) for d in self.nr]))
+        rows.append((-math.inf, -float(n_gpus) * (m - 1) * self.f_min, area_idx, area_val))
+        rows.append((-math.inf, float((m - 1) * n_gpus * cap1), mem_idx, mem_val))
+        with _quiet_stdout():
+            h = highspy.Highs()
+        h.setOptionValue("output_flag", False)
+        h.setOptionValue("threads", 1)
+        h.setOptionValue("presolve", "off")  # re-solves start from the previous basis
+        lp = highspy.HighsLp()
+        lp.num_col_, lp.num_row_ = len(lb), len(rows)
+        lp.col_cost_ = np.array(cost, dtype=np.float64)
+        lp.col_lower_ = np.array(lb, dtype=np.float64)
+        lp.col_upper_ = np.array(ub, dtype=np.float64)
+        lp.row_lower_ = np.array([r[0] for r in rows], dtype=np.float64)
+        lp.row_upper_ = np.array([r[1] for r in rows], dtype=np.float64)
+        lp.a_matrix_.format_ = highspy.MatrixFormat.kRowwise
+        lp.a_matrix_.start_ = np.cumsum([0] + [len(r[2]) for r in rows]).astype(np.int32)
+        lp.a_matrix_.index_ = np.concatenate([r[2] for r in rows]).astype(np.int32)
+        lp.a_matrix_.value_ = np.concatenate([r[3] for r in rows]).astype(np.float64)
+        h.passModel(lp)
+        self.h = h
+        self.solves = 0
+        self._cols = None
+
+    def solve(self, t1: float, r_cap: float) -> float:
+        """Least ``R`` (ms) of relaxed plans whose slowest micro-batch is within ``t1`` and whose
+        other micro-batches sum to at most ``r_cap`` (inf when there is none)."""
+        h, tab = self.h, self.tab
+        for d, row in self.time_rows.items():
+            h.changeCoeff(row, self.n[d], -(t1 - tab.fixed[d]))
+        for d, row in self.time_rows_r.items():  # each pooled micro-batch is within r_cap
+            h.changeCoeff(row, self.nr[d], -(max(r_cap, 0.0) - tab.fixed[d]))
+        if self._cols is None:
+            self._cols = np.array(list(self.total1) + list(self.total_r), dtype=np.int32)
+            self._totals = np.array(list(self.total1.values()) + list(self.total_r.values()))
+            self._first = np.arange(len(self._cols)) < len(self.total1)
+        caps = np.where(self._first, t1, r_cap)
+        upper = (self._totals <= caps).astype(np.float64)
+        h.changeColsBounds(len(self._cols), self._cols, np.zeros(len(self._cols)), upper)
+        r_lo = (self.m - 1) * self.f_min
+        r_hi = min((self.m - 1) * t1, r_cap)
+        if r_hi < r_lo:
+            return math.inf
+        h.changeColBounds(self.R, r_lo, r_hi)
+        h.run()
+        self.solves += 1
+        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+            return math.inf
+        return float(h.getInfo().objective_function_value)
+
+    def least_rest(self, t1: float, r_cap: float, rel_tol: float) -> float:
+        """Valid lower bound on ``R`` for plans with ``T1 <= t1`` and ``R <= r_cap`` (``r_cap`` when
+        there is none): bisection on the cap, each feasible probe also raising the floor."""
+        v = self.solve(t1, r_cap)
+        if v == math.inf:
+            return r_cap
+        lo, hi = v, r_cap
+        while hi - lo > rel_tol * hi:
+            mid = 0.5 * (lo + hi)
+            v = self.solve(t1, mid)
+            if v == math.inf:
+                lo = mid
+            else:
+                lo, hi = max(lo, v), mid
+        return lo
+
+
+def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: float = 0.002,
+               max_solves: int = 200, num_buckets: int = 12, max_single: int = 24) -> BoundResult:
+    """Lower bound on the step time of plans with exactly ``m`` micro-batches.
+
+    ``target_ms``: stop once the bound reaches it (e.g. the best plan's time); ``t1_lo``: a valid
+    lower bound on the slowest micro-batch (e.g. the longest sequence's fastest finish).
+    """
+    crit = np.array([min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes
+                         if tab.lens[i] <= tab.cap[d]) for i in range(len(tab.lens))])
+    order = np.argsort(-crit, kind="stable")
+    singles = [int(i) for i in order[:max_single]]
+    rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
+    cm = tab.cm
+    buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
+                           a_lin=cm.coeffs.a_lin_ms_per_token,
+                           cuts=tuple(sorted({int(tab.cap[d]) for d in tab.sizes})))
+    units = [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+    lp = _StepLP(tab, m, units)
+    if m == 1:
+        lo, hi = t1_lo, target_ms
+        if lp.solve(hi, 0.0) == math.inf:
+            return BoundResult(m, hi, lp.solves, 0)
+        while hi - lo > rel_tol * hi and lp.solves < max_solves:
+            mid = 0.5 * (lo + hi)
+            if lp.solve(mid, 0.0) == math.inf:
+                lo = mid
+            else:
+                hi = mid
+        return BoundResult(m, lo, lp.solves, 1)
+    t1_hi = target_ms - (m - 1) * lp.f_min  # a plan with a slower micro-batch cannot beat the target
+    if t1_hi <= t1_lo:
+        return BoundResult(m, target_ms, 0, 0)
+
+    def interval(a: float, b: float) -> float:  # bound on plans with T1 in [a, b]
+        return a + lp.least_rest(b, target_ms - a, rel_tol)
+
+    heap = [(interval(t1_lo, t1_hi), t1_lo, t1_hi)]
+    while heap:
+        bound, a, b = heap[0]
+        if bound >= target_ms * (1 - rel_tol) or b - a <= rel_tol * a or lp.solves >= max_solves:
+            break
+        heapq.heappop(heap)
+        mid = 0.5 * (a + b)
+        for lo, hi in ((a, mid), (mid, b)):
+            val = interval(lo, hi)
+            if val < target_ms:
+                heapq.heappush(heap, (val, lo, hi))
+    final = min(heap[0][0], target_ms) if heap else target_ms
+    return BoundResult(m, final, lp.solves, len(heap))
+
+
+def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
+                  rel_tol: float = 0.002) -> BoundResult:
+    """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
+
+    The LP search runs for the memory-minimum micro-batch count and up to ``max_extra`` more
+    (sharing ``max_solves`` LP solves); plans with even more micro-batches are bounded by
+    ``m f_min + GPU-time / N``, which grows with m. ``target_ms`` (the best plan) caps the result.
+    """
+    n_gpus = tab.cm.cluster.num_gpus
+    m_min = max(1, math.ceil(int(tab.lens.sum()) / (tab.cm.capacity_tokens * n_gpus)))
+    f_min = min(tab.fixed.values())
+    area = tab.area_min_ms() / n_gpus
+    crit = max(min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes if tab.lens[i] <= tab.cap[d])
+               for i in range(len(tab.lens)))
+
+    def simple(m: int) -> float:
+        return max(m * f_min + area, crit + (m - 1) * f_min)
+
+    best, solves, last = target_ms, 0, m_min
+    for m in range(m_min, m_min + max_extra + 1):
+        last = m
+        if simple(m) >= best:
+            break
+        budget = max(1, max_solves - solves - 12 * (m_min + max_extra - m))  # a little for larger m
+        r = step_bound(tab, m, target_ms=best, t1_lo=crit, rel_tol=rel_tol, max_solves=budget)
+        solves += r.lp_solves
+        best = min(best, max(r.bound_ms, simple(m)))
+    else:
+        last = m_min + max_extra + 1
+        best = min(best, simple(last))
+    return BoundResult(last, best, solves, 0)

@@ -1,0 +1,166 @@
+"""Measurements for the cost model: a model-shaped layer stack, compute, all-to-all and activation memory.
+
+Collective helpers: every rank of the job calls them together, so ranks contend for the machine as
+they do in training. Times are medians over repeats of the slowest rank (ms). No Megatron import;
+the fitting lives in :mod:`megatron_flexsp.cost_model.calibrate`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_flexsp.model_spec import ModelSpec
+from megatron_flexsp.runtime.layout import GroupLayout, build_group_layout, local_positions
+from megatron_flexsp.runtime.ulysses import ulysses_attention
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, spec: ModelSpec) -> None:
+        super().__init__()
+        h, hd = spec.hidden_size, spec.head_dim
+        self.n, self.k, self.hd = spec.num_heads, spec.num_kv_heads, hd
+        self.norm1 = torch.nn.RMSNorm(h)
+        self.norm2 = torch.nn.RMSNorm(h)
+        self.qkv = torch.nn.Linear(h, (self.n + 2 * self.k) * hd, bias=False)
+        self.proj = torch.nn.Linear(self.n * hd, h, bias=False)
+        ffn = spec.ffn_hidden_size
+        self.swiglu = spec.swiglu
+        self.up = torch.nn.Linear(h, 2 * ffn if spec.swiglu else ffn, bias=False)
+        self.down = torch.nn.Linear(ffn, h, bias=False)
+
+    def forward(self, x, group, layout, backend):
+        t = x.shape[0]
+        qkv = self.qkv(self.norm1(x))
+        q, k, v = qkv.split([self.n * self.hd, self.k * self.hd, self.k * self.hd], dim=-1)
+        a = ulysses_attention(q.reshape(t, self.n, self.hd), k.reshape(t, self.k, self.hd),
+                              v.reshape(t, self.k, self.hd), group=group, layout=layout, backend=backend)
+        x = x + self.proj(a.reshape(t, -1))
+        u = self.up(self.norm2(x))
+        if self.swiglu:
+            g, u = u.chunk(2, dim=-1)
+            u = F.silu(g) * u
+        else:
+            u = F.gelu(u)
+        return x + self.down(u)
+
+
+class SpecStack(torch.nn.Module):
+    """Embedding, ``spec.num_layers`` pre-norm layers (Ulysses attention + MLP) and the output layer
+    of the shape ``spec`` describes; used to profile and validate the cost model, not to train."""
+
+    def __init__(self, spec: ModelSpec, *, max_len: int = 1 << 20) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.layers = torch.nn.ModuleList(_Layer(spec) for _ in range(spec.num_layers))
+        self.out = torch.nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+
+    def forward(self, tokens_t, *, group, layout: GroupLayout, backend: str) -> torch.Tensor:
+        x = self.emb(tokens_t)
+        for layer in self.layers:
+            x = layer(x, group, layout, backend)
+        return self.out(x)
+
+
+def step_loss(model: SpecStack, tokens_t: torch.Tensor, *, group, layout: GroupLayout,
+              backend: str) -> torch.Tensor:
+    """Forward and backward of this rank's shard ``tokens_t`` ``[t]``; returns the detached loss sum."""
+    logits = model(tokens_t, group=group, layout=layout, backend=backend)
+    loss = F.cross_entropy(logits.float(), torch.roll(tokens_t, -1), reduction="sum")
+    loss.backward()
+    return loss.detach()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest_ms(seconds: float) -> float:
+    t = torch.tensor([seconds * 1e3], dtype=torch.float64)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def time_sequences(model: SpecStack, lengths: list[int], *, group, repeats: int, backend: str,
+                   device: torch.device, vocab: int, progress=None) -> list[float]:
+    """Forward+backward time (ms) of one sequence of each length on ``group`` (each rank its shard)."""
+    d = dist.get_world_size(group)
+    r = dist.get_rank(group)
+    out = []
+    for k, s in enumerate(lengths):
+        layout = build_group_layout([s], d)
+        gen = torch.Generator().manual_seed(s)
+        tokens = torch.randint(0, vocab, (len(local_positions([s], d, r)),), generator=gen).to(device)
+        samples = []
+        for rep in range(repeats + 1):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            step_loss(model, tokens, group=group, layout=layout, backend=backend)
+            _sync(device)
+            ms = _slowest_ms(time.perf_counter() - t0)
+            if rep:  # the first run warms up
+                samples.append(ms)
+        model.zero_grad(set_to_none=True)
+        out.append(statistics.median(samples))
+        if progress:
+            progress(f"compute {k + 1}/{len(lengths)}: {s} tokens, {out[-1]:.2f} ms")
+    return out
+
+
+def time_alltoall(group, nbytes: list[int], *, repeats: int, device: torch.device,
+                  progress=None) -> list[float]:
+    """Time (ms) of one all-to-all on ``group`` sending ``b`` bytes per rank, for each ``b``."""
+    d = dist.get_world_size(group)
+    out = []
+    for b in nbytes:
+        n = max(d, (b // 4) // d * d)
+        x = torch.ones(n, dtype=torch.float32, device=device)
+        y = torch.empty_like(x)
+        samples = []
+        for rep in range(repeats + 1):
+            dist.barrier()
+            _sync(device)
+            t0 = time.perf_counter()
+            dist.all_to_all_single(y, x, group=group)
+            _sync(device)
+            ms = _slowest_ms(time.perf_counter() - t0)
+            if rep:
+                samples.append(ms)
+        out.append(statistics.median(samples))
+        if progress:
+            progress(f"all-to-all size {d}: {b} bytes, {out[-1]:.3f} ms")
+    return out
+
+
+def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend: str,
+                               device: torch.device, vocab: int) -> float:
+    """Bytes of tensors autograd saves for backward in one forward of ``length`` tokens, per token.
+
+    Tensors that are parameters are not counted; storages seen twice are counted once.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: set[int] = set()
+    total = [0]
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params and ptr not in seen:
+            seen.add(ptr)
+            total[0] += t.untyped_storage().nbytes()
+        return t
+
+    d = dist.get_world_size(group)
+    layout = build_group_layout([length], d)
+    tokens = torch.randint(0, vocab, (len(local_positions([length], d, dist.get_rank(group))),)).to(device)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens, group=group, layout=layout, backend=backend)
+        loss = F.cross_entropy(logits.float(), torch.roll(tokens, -1), reduction="sum")
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total[0] / length

@@ -1,0 +1,163 @@
+#!/usr/bin/env python
+"""Profile this machine for the cost model and write a profile JSON the planner loads.
+
+Measures, with every rank busy at once (as in training): forward+backward time of one sequence on
+one GPU (or CPU rank) against its length, through the runtime's attention backend and a layer stack
+of the model's shape; the all-to-all time of every group size against bytes per rank (gloo on CPU,
+NCCL on GPU); and activation bytes per token (tensors autograd saves in a forward). Fits the
+coefficients (least squares, relative; fit errors printed and stored) and writes the profile.
+
+CPU (4 gloo ranks, the demo model, 2 ranks per "node" as in the demo):
+    python scripts/profile_cost_model.py --out out/profile/cpu-measured.json
+GPU node (8 GPUs): python scripts/profile_cost_model.py --ranks 8 --gpus-per-node 8 --layers 32 \
+    --hidden 4096 --heads 32 --ffn 11008 --vocab 32000 --swiglu --dtype bf16 --base h200-estimate \
+    --lengths 1024,2048,4096,8192,16384,32768 --out out/profile/h200-measured.json
+Multi-node: scripts/slurm/profile.sbatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--ranks", type=int, default=4, help="ranks to launch on this node (torchrun)")
+    ap.add_argument("--gpus-per-node", type=int, default=2, help="ranks per node in the profile")
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--kv-heads", type=int, default=0)
+    ap.add_argument("--ffn", type=int, default=256)
+    ap.add_argument("--vocab", type=int, default=384, help="padded vocabulary (Megatron pads 257 to 384)")
+    ap.add_argument("--swiglu", action="store_true", default=True)
+    ap.add_argument("--no-swiglu", dest="swiglu", action="store_false")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--backend", default="auto", help="attention backend (auto: sdpa on CPU, flash on GPU)")
+    ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
+    ap.add_argument("--alltoall-bytes", default="4096,32768,262144,1048576")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--base", default="cpu-gloo-demo", help="profile whose device and state fields are kept")
+    ap.add_argument("--hardware", default="")
+    ap.add_argument("--port", type=int, default=29533)
+    ap.add_argument("--out", default="out/profile/cpu-measured.json")
+    return ap.parse_args(argv)
+
+
+def launch(args) -> int:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), FLEXSP_PROFILE_WORKER="1")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
+           "--master-addr", "127.0.0.1", "--master-port", str(args.port), __file__] + sys.argv[1:]
+    return subprocess.call(cmd, env=env, cwd=ROOT)
+
+
+def worker(args) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from megatron_flexsp.cost_model.profile import parse_profile
+    from megatron_flexsp.cost_model.calibrate import fit_alltoall, fit_compute, measured_profile
+    from megatron_flexsp.model_spec import ModelSpec
+    from megatron_flexsp.runtime import profiler as P
+    from megatron_flexsp.runtime.groups import SPGroupPool
+    from megatron_flexsp.topology import ClusterSpec, candidate_group_sizes
+    from megatron_flexsp.utils.logging import get_logger
+
+    log = get_logger("flexsp.profile")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    if not cuda:
+        torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    spec = ModelSpec(f"gpt-{args.layers}x{args.hidden}-{args.heads}h", args.layers, args.hidden, args.heads,
+                     num_kv_heads=args.kv_heads or args.heads, ffn_hidden_size=args.ffn,
+                     vocab_size=args.vocab, dtype_bytes=2 if dtype == torch.bfloat16 else 4,
+                     swiglu=args.swiglu)
+    backend = args.backend if args.backend != "auto" else ("flash" if cuda else "sdpa")
+    cluster = ClusterSpec(world, args.gpus_per_node)
+    sizes = candidate_group_sizes(cluster, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
+    pool = SPGroupPool(cluster, sizes, singletons=True, device=device)
+    torch.manual_seed(0)
+    model = P.SpecStack(spec).to(device=device, dtype=dtype)
+
+    def progress(msg):
+        if rank == 0:
+            log.info("%s", msg)
+
+    t_start = time.perf_counter()
+    lengths = [int(x) for x in args.lengths.split(",")]
+    own = pool.get((rank,))
+    times = P.time_sequences(model, lengths, group=own, repeats=args.repeats, backend=backend,
+                             device=device, vocab=spec.vocab_size, progress=progress)
+    act = P.activation_bytes_per_token(model, lengths[-1], group=own, backend=backend, device=device,
+                                       vocab=spec.vocab_size)
+    nbytes = [int(x) for x in args.alltoall_bytes.split(",")]
+    a2a = {}
+    for d in sizes:
+        if d == 1:
+            continue
+        block = tuple(range(rank // d * d, rank // d * d + d))
+        a2a[d] = P.time_alltoall(pool.get(block), nbytes, repeats=args.repeats, device=device,
+                                 progress=progress)
+    if rank == 0:
+        cfit = fit_compute(lengths, times)
+        afits = [fit_alltoall(d, nbytes, ms) for d, ms in a2a.items()]
+        base_path = Path(args.base) if Path(args.base).exists() else ROOT / "configs" / "profiles" / f"{args.base}.json"
+        base = json.loads(base_path.read_text())
+        hardware = args.hardware or (torch.cuda.get_device_name() if cuda else f"cpu-{socket.gethostname()}")
+        source = (f"measured by scripts/profile_cost_model.py on {hardware}, {world} ranks "
+                  f"({args.gpus_per_node} per node), {time.strftime('%Y-%m-%d')}, backend {backend}, "
+                  f"{args.dtype}; device memory and state fields from {args.base!r}")
+        shape = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "num_heads": spec.num_heads,
+                 "num_kv_heads": spec.num_kv_heads, "ffn_hidden_size": spec.ffn_hidden_size,
+                 "vocab_size": spec.vocab_size, "swiglu": spec.swiglu, "dtype_bytes": spec.dtype_bytes}
+        prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
+                                model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
+                                activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
+        prof["measurements"] = {"lengths": lengths, "compute_ms": times, "alltoall_bytes": nbytes,
+                                "alltoall_ms": {str(d): v for d, v in a2a.items()}}
+        parse_profile(prof, args.out)  # the planner must be able to load it
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(prof, indent=1))
+        print(f"\nProfile of {spec.name} on {hardware} ({world} ranks), {time.perf_counter() - t_start:.0f} s")
+        print(f"{'tokens':>7} {'measured ms':>12} {'fit ms':>9} {'error':>7}")
+        for s, ms in zip(lengths, times):
+            fit = cfit.overhead_ms + cfit.a_lin_ms_per_token * s + cfit.a_attn_ms_per_token2 * s * s
+            print(f"{s:>7} {ms:>12.2f} {fit:>9.2f} {fit / ms - 1:>+7.1%}")
+        print(f"fit: overhead {cfit.overhead_ms:.3f} ms, a_lin {cfit.a_lin_ms_per_token:.3e} ms/token, "
+              f"a_attn {cfit.a_attn_ms_per_token2:.3e} ms/token^2, RMS relative error {cfit.rel_err:.1%}")
+        print(f"activation memory: {act:.0f} bytes per token")
+        for f in afits:
+            print(f"all-to-all size {f.group_size}: latency {f.latency_ms:.3f} ms, "
+                  f"bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms, RMS relative error {f.rel_err:.1%}")
+        print(f"wrote {out}")
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def main() -> int:
+    args = parse_args()
+    if os.environ.get("FLEXSP_PROFILE_WORKER") == "1":
+        return worker(args)
+    return launch(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,55 @@
+"""The profiler and the validation report end to end on 2 gloo ranks (small, a few seconds each)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_flexsp.cost_model import CostModel, load_profile
+from megatron_flexsp.model_spec import ModelSpec
+from megatron_flexsp.planner import plan_step
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    out = tmp_path_factory.mktemp("profile") / "cpu.json"
+    cmd = [sys.executable, "scripts/profile_cost_model.py", "--ranks", "2", "--gpus-per-node", "2",
+           "--lengths", "32,64,128,256", "--alltoall-bytes", "4096,65536", "--repeats", "1",
+           "--port", "29561", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    assert "RMS relative error" in run.stdout
+    return out
+
+
+def test_profile_is_written_loadable_and_plans(measured):
+    data = json.loads(measured.read_text())
+    assert data["estimated"] is False and "measured by scripts/profile_cost_model.py" in data["source"]
+    entry = data["models"]["gpt-2x64-4h"]
+    assert entry["a_lin_ms_per_token"] > 0 and entry["activation_bytes_per_token"] > 0
+    assert len(data["measurements"]["compute_ms"]) == 4
+    assert [p["group_size"] for p in data["alltoall"]["intra_node"]] == [2]
+    prof = load_profile(str(measured))
+    cm = CostModel.from_profile(prof, ModelSpec("gpt-2x64-4h", 2, 64, 4, ffn_hidden_size=256, vocab_size=384,
+                                          dtype_bytes=4, swiglu=True), num_gpus=2,
+                                max_seq_len=512)
+    plan = plan_step([40, 100, 30, 20], cm)
+    assert plan.predicted_step_ms > 0
+
+
+def test_validation_report(measured, tmp_path):
+    out, png = tmp_path / "v.json", tmp_path / "v.png"
+    cmd = [sys.executable, "scripts/validate_cost_model.py", "--profile", str(measured), "--ranks", "2",
+           "--batches", "1", "--global-batch", "6", "--repeats", "1", "--length-scale", "0.1",
+           "--port", "29562", "--out", str(out), "--plot", str(png)]
+    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    steps = [r for r in report["records"] if r["kind"] == "step"]
+    assert len(steps) == 3  # flexsp, batchada, static
+    assert all(r["measured_ms"] > 0 and r["predicted_ms"] > 0 for r in report["records"])
+    assert png.stat().st_size > 1000

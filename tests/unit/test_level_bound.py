@@ -1,0 +1,72 @@
+"""Level packing (the default search) and the LP lower bound: valid plans, a valid bound, no worse
+than the baselines; the bound never exceeds the brute-force optimum on tiny instances."""
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.config import PlannerConfig
+from megatron_flexsp.plan import validate_plan
+from megatron_flexsp.planner import plan_step
+from megatron_flexsp.planner.bound import lp_step_bound
+from megatron_flexsp.planner.layout import Tables
+from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.sim import simulate
+from tests.unit.helpers import tiny_cost_model
+from tests.unit.test_planner import brute_force_step_ms
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_level_plan_and_lp_bound_bracket_the_optimum(seed):
+    rng = np.random.default_rng(seed)
+    cm = tiny_cost_model()
+    lens = rng.integers(5, 240, size=int(rng.integers(2, 6)))
+    opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+    plan = plan_step(lens, cm, config=PlannerConfig(bound_lp_solves=400))
+    validate_plan(plan)
+    assert plan.method in ("level", "greedy") or plan.method.startswith("homogeneous")
+    assert plan.predicted_step_ms >= opt * (1 - 1e-9)
+    assert plan.lower_bound_ms <= opt * (1 + 1e-6)
+    # the LP bound alone (no simple-bound max) is valid too, whatever the target
+    tab = Tables(np.asarray(lens), cm)
+    for target in (opt, 2 * opt):
+        assert lp_step_bound(tab, target_ms=target, max_solves=200).bound_ms <= opt * (1 + 1e-6)
+
+
+def test_level_beats_baselines_and_reports_a_gap(wiki_lengths, paper_cm):
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        b = np.minimum(rng.choice(wiki_lengths, 512), 196608)
+        f = plan_step(b, paper_cm, max_seq_len=196608)
+        validate_plan(f)
+        sim = simulate(f, paper_cm)
+        assert sim.memory_ok and sim.step_ms == pytest.approx(f.predicted_step_ms, rel=1e-9)
+        for s in ("batchada", "static", "megatron-dcp"):
+            other = plan_step(b, paper_cm, strategy=s, max_seq_len=196608)
+            assert f.predicted_step_ms <= other.predicted_step_ms * (1 + 1e-9), s
+            assert f.lower_bound_ms <= other.predicted_step_ms * (1 + 1e-9)
+        assert 0 <= f.gap < 0.1
+        assert f.info["lp_solves"] > 0
+
+
+def test_level_packer_respects_memory_and_level():
+    cm = tiny_cost_model()
+    lens = np.array([150, 90, 60, 40, 30, 10])  # 380 of the 400 tokens 4 GPUs hold
+    tab = Tables(lens, cm)
+    lp = LevelPacker(tab)
+    items = np.arange(len(lens))
+    found = lp.min_level(items)
+    assert found is not None
+    level, groups = found
+    assert sorted(i for g in groups for i in g.seqs) == list(range(len(lens)))
+    assert sum(g.size for g in groups) <= cm.cluster.num_gpus
+    for g in groups:
+        assert g.tokens <= tab.cap[g.size]
+        assert tab.finish(g) <= level * (1 + 1e-9)
+    assert lp.pack(items, level * 0.5) is None or lp.lower_bound(items, 1) <= level * 0.5
+
+
+def test_search_setting_is_validated():
+    with pytest.raises(ValueError, match="search='cplex'"):
+        PlannerConfig(search="cplex")
+    with pytest.raises(ValueError, match="bound_lp_solves=-1"):
+        PlannerConfig(bound_lp_solves=-1)
