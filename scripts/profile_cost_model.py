@@ -3,9 +3,13 @@
 
 Measures, with every rank busy at once (as in training): forward+backward time of one sequence on
 one GPU (or CPU rank) against its length, through the runtime's attention backend and a layer stack
-of the model's shape; the all-to-all time of every group size against bytes per rank (gloo on CPU,
-NCCL on GPU); and activation bytes per token (tensors autograd saves in a forward). Fits the
-coefficients (least squares, relative; fit errors printed and stored) and writes the profile.
+of the model's shape; the same on every group size (Ulysses all-to-alls included); the raw
+all-to-all time of every group size against bytes per rank (gloo on CPU, NCCL on GPU); and
+activation bytes per token (tensors autograd saves in a forward); and the runtime's token dispatch
+per micro-batch (folded into the fixed cost and linear rate). Fits the compute coefficients on
+one GPU, then each group size's effective all-to-all latency and bandwidth from what its sequences
+take beyond their compute share (least squares; fit errors printed and stored), and writes the
+profile; the raw all-to-all fits are kept under ``measurements``.
 
 CPU (4 gloo ranks, the demo model, 2 ranks per "node" as in the demo):
     python scripts/profile_cost_model.py --out out/profile/cpu-measured.json
@@ -67,7 +71,10 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     from megatron_flexsp.cost_model.profile import parse_profile
-    from megatron_flexsp.cost_model.calibrate import fit_alltoall, fit_compute, measured_profile
+    import numpy as np
+
+    from megatron_flexsp.cost_model.calibrate import (fit_alltoall, fit_compute, fit_group_excess,
+                                                      measured_profile, with_dispatch)
     from megatron_flexsp.model_spec import ModelSpec
     from megatron_flexsp.runtime import profiler as P
     from megatron_flexsp.runtime.groups import SPGroupPool
@@ -106,17 +113,32 @@ def worker(args) -> int:
                              device=device, vocab=spec.vocab_size, progress=progress)
     act = P.activation_bytes_per_token(model, lengths[-1], group=own, backend=backend, device=device,
                                        vocab=spec.vocab_size)
+    dispatch_tokens = [lengths[0], lengths[len(lengths) // 2], lengths[-1]]
+    dispatch_ms = P.time_dispatch(dispatch_tokens, repeats=args.repeats, device=device, progress=progress)
     nbytes = [int(x) for x in args.alltoall_bytes.split(",")]
-    a2a = {}
+    a2a, grouped = {}, {}
     for d in sizes:
         if d == 1:
             continue
         block = tuple(range(rank // d * d, rank // d * d + d))
         a2a[d] = P.time_alltoall(pool.get(block), nbytes, repeats=args.repeats, device=device,
                                  progress=progress)
+        grouped[d] = P.time_sequences(model, lengths, group=pool.get(block), repeats=args.repeats,
+                                      backend=backend, device=device, vocab=spec.vocab_size,
+                                      progress=progress)
     if rank == 0:
         cfit = fit_compute(lengths, times)
-        afits = [fit_alltoall(d, nbytes, ms) for d, ms in a2a.items()]
+        raw = [fit_alltoall(d, nbytes, ms) for d, ms in a2a.items()]
+        kernel_fit = cfit
+        cfit, disp_fixed, disp_rate = with_dispatch(cfit, dispatch_tokens, dispatch_ms)
+        afits = []
+        for d, ms in grouped.items():  # effective all-to-all: group time beyond its compute share
+            s = np.asarray(lengths, dtype=np.float64)
+            share = kernel_fit.overhead_ms + (kernel_fit.a_lin_ms_per_token * s
+                                              + kernel_fit.a_attn_ms_per_token2 * s * s) / d
+            sent = (2.0 * spec.num_layers * spec.alltoall_elems_per_token() * spec.dtype_bytes
+                    * (s / d) * (d - 1) / d)
+            afits.append(fit_group_excess(d, sent, np.asarray(ms) - share, 4 * spec.num_layers))
         base_path = Path(args.base) if Path(args.base).exists() else ROOT / "configs" / "profiles" / f"{args.base}.json"
         base = json.loads(base_path.read_text())
         hardware = args.hardware or (torch.cuda.get_device_name() if cuda else f"cpu-{socket.gethostname()}")
@@ -129,8 +151,14 @@ def worker(args) -> int:
         prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
                                 model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
                                 activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
-        prof["measurements"] = {"lengths": lengths, "compute_ms": times, "alltoall_bytes": nbytes,
-                                "alltoall_ms": {str(d): v for d, v in a2a.items()}}
+        prof["measurements"] = {
+            "lengths": lengths, "compute_ms": times, "group_compute_ms": {str(d): v for d, v in grouped.items()},
+            "dispatch_tokens": dispatch_tokens, "dispatch_ms": dispatch_ms,
+            "dispatch_fit": {"fixed_ms": disp_fixed, "ms_per_token": disp_rate},
+            "alltoall_bytes": nbytes, "alltoall_ms": {str(d): v for d, v in a2a.items()},
+            "raw_alltoall_fit": {str(f.group_size): {"latency_ms": f.latency_ms,
+                                                     "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
+                                                     "rel_err": f.rel_err} for f in raw}}
         parse_profile(prof, args.out)  # the planner must be able to load it
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -138,14 +166,19 @@ def worker(args) -> int:
         print(f"\nProfile of {spec.name} on {hardware} ({world} ranks), {time.perf_counter() - t_start:.0f} s")
         print(f"{'tokens':>7} {'measured ms':>12} {'fit ms':>9} {'error':>7}")
         for s, ms in zip(lengths, times):
-            fit = cfit.overhead_ms + cfit.a_lin_ms_per_token * s + cfit.a_attn_ms_per_token2 * s * s
+            fit = (kernel_fit.overhead_ms + kernel_fit.a_lin_ms_per_token * s
+                   + kernel_fit.a_attn_ms_per_token2 * s * s)
             print(f"{s:>7} {ms:>12.2f} {fit:>9.2f} {fit / ms - 1:>+7.1%}")
-        print(f"fit: overhead {cfit.overhead_ms:.3f} ms, a_lin {cfit.a_lin_ms_per_token:.3e} ms/token, "
-              f"a_attn {cfit.a_attn_ms_per_token2:.3e} ms/token^2, RMS relative error {cfit.rel_err:.1%}")
+        print(f"fit: overhead {kernel_fit.overhead_ms:.3f} ms, a_lin {kernel_fit.a_lin_ms_per_token:.3e} ms/token, "
+              f"a_attn {kernel_fit.a_attn_ms_per_token2:.3e} ms/token^2, RMS relative error {cfit.rel_err:.1%}")
+        print(f"dispatch per micro-batch: {disp_fixed:.3f} ms + {disp_rate:.2e} ms/token (added to the "
+              f"fixed cost and the linear rate)")
         print(f"activation memory: {act:.0f} bytes per token")
-        for f in afits:
-            print(f"all-to-all size {f.group_size}: latency {f.latency_ms:.3f} ms, "
-                  f"bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms, RMS relative error {f.rel_err:.1%}")
+        for f, r in zip(afits, raw):
+            print(f"all-to-all size {f.group_size}: effective (from Ulysses layer timings) latency "
+                  f"{f.latency_ms:.3f} ms/call, bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms, fit error "
+                  f"{f.rel_err:.1%}; raw all_to_all_single: latency {r.latency_ms:.3f} ms, bandwidth "
+                  f"{r.bandwidth_mib_per_ms:.3f} MiB/ms, fit error {r.rel_err:.1%}")
         print(f"wrote {out}")
     dist.barrier()
     dist.destroy_process_group()

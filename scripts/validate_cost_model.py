@@ -34,7 +34,7 @@ def parse_args():
     ap.add_argument("--strategies", default="flexsp,batchada,static")
     ap.add_argument("--lengths", default=str(ROOT.parent / "shared" / "seqlen" / "flexsp_wikipedia_seqlens.txt"))
     ap.add_argument("--length-scale", type=float, default=0.5, help="multiply sampled lengths by this")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3, help="timed runs per plan (median reported)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=29534)
     ap.add_argument("--out", default="out/validate_cost_model.json")
@@ -112,8 +112,8 @@ def worker(args) -> int:
 
                 dist.barrier()
                 t0 = time.perf_counter()
-                run_step(plan, pool=pool, rank=rank, loaded=loaded, run_group=run_group,
-                         num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, device=device)
+                stats = run_step(plan, pool=pool, rank=rank, loaded=loaded, run_group=run_group,
+                                 num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, device=device)
                 dist.barrier()
                 step_ms = (time.perf_counter() - t0) * 1e3
                 model.zero_grad(set_to_none=True)
@@ -135,6 +135,7 @@ def worker(args) -> int:
                                         "measured_ms": measured})
                 records.append({"batch": k, "strategy": strategy, "rep": rep, "kind": "step",
                                 "predicted_ms": plan.predicted_step_ms, "measured_ms": step_ms,
+                                "dispatch_ms": stats.dispatch_s * 1e3, "switch_ms": stats.switch_s * 1e3,
                                 "micro_batches": len(plan.micro_batches)})
         if rank == 0:
             print(f"batch {k + 1}/{len(batches)} done", file=sys.stderr, flush=True)
@@ -145,10 +146,31 @@ def worker(args) -> int:
     return 0
 
 
+def _median_over_reps(records, kind):
+    """One record per (batch, strategy, position) with the median measured time over repeats."""
+    import numpy as np
+    keyed: dict = {}
+    counter: dict = {}
+    for r in records:
+        if r["kind"] != kind:
+            continue
+        base = (r["batch"], r["strategy"], r["rep"])
+        pos = counter.get(base, 0)
+        counter[base] = pos + 1
+        keyed.setdefault((r["batch"], r["strategy"], pos), []).append(r)
+    out = []
+    for rows in keyed.values():
+        merged = dict(rows[0])
+        merged["measured_ms"] = float(np.median([r["measured_ms"] for r in rows]))
+        merged.pop("rep", None)
+        out.append(merged)
+    return out
+
+
 def report(args, records, cm) -> None:
     import numpy as np
-    steps = [r for r in records if r["kind"] == "step"]
-    groups = [r for r in records if r["kind"] == "group"]
+    steps = _median_over_reps(records, "step")
+    groups = _median_over_reps(records, "group")
 
     def errs(rows):
         return np.array([r["measured_ms"] / r["predicted_ms"] - 1 for r in rows])
@@ -183,7 +205,7 @@ def report(args, records, cm) -> None:
                    label=f"group of {d}", alpha=0.7)
     ax.scatter([r["predicted_ms"] for r in steps], [r["measured_ms"] for r in steps], marker="x",
                color="k", label="step")
-    hi = max(max(r["measured_ms"], r["predicted_ms"]) for r in records)
+    hi = max(max(r["measured_ms"], r["predicted_ms"]) for r in steps + groups)
     ax.plot([0, hi], [0, hi], "k--", lw=0.8)
     ax.set_xlabel("predicted (ms)")
     ax.set_ylabel("measured (ms)")

@@ -107,3 +107,40 @@ def measured_profile(base: dict, *, hardware: str, gpus_per_node: int, model_nam
         "fit": {"compute_rel_err": compute.rel_err,
                 "alltoall_rel_err": {str(f.group_size): f.rel_err for f in alltoall}}}}
     return out
+
+
+def fit_group_excess(group_size: int, nbytes, excess_ms, calls: int) -> AllToAllFit:
+    """Effective all-to-all parameters of a group size from end-to-end Ulysses timings.
+
+    ``excess_ms``: measured time of a sequence on a group of ``group_size`` minus its compute share
+    (the size-1 fit divided by the size); ``nbytes``: the bytes the cost model says each GPU sends
+    for it; ``calls``: all-to-all calls per group and micro-batch (``4 * num_layers``). The fit
+    ``excess = calls * latency + bytes / bandwidth`` absorbs what the cost model does not name
+    (synchronisation, layout copies), so predictions use what a group of that size really costs.
+    ``rel_err``: RMS error of the fit over the mean excess.
+    """
+    b = np.asarray(nbytes, dtype=np.float64)
+    y = np.asarray(excess_ms, dtype=np.float64)
+    if len(b) < 2 or len(b) != len(y):
+        raise ValueError(f"need at least 2 (bytes, excess) points of equal count, got {len(b)} and {len(y)}")
+    if calls < 1:
+        raise ValueError(f"calls={calls} must be >= 1")
+    a = np.stack([np.ones_like(b), b], axis=1)
+    c = _nonneg_lstsq(a, y, np.ones_like(y))
+    per_byte = max(float(c[1]), 1e-15)
+    scale = max(float(np.mean(np.abs(y))), 1e-12)
+    err = float(np.sqrt(np.mean((a @ c - y) ** 2)) / scale)
+    return AllToAllFit(group_size, float(c[0]) / calls, 1.0 / (per_byte * 2 ** 20), err)
+
+
+def with_dispatch(fit: ComputeFit, tokens, dispatch_ms) -> tuple[ComputeFit, float, float]:
+    """``fit`` with the runtime's measured token dispatch folded in: its per-micro-batch intercept
+    joins the fixed cost, its per-token slope the linear rate. Returns the new fit and the
+    dispatch intercept (ms) and slope (ms/token) that were added."""
+    x = np.asarray(tokens, dtype=np.float64)
+    y = np.asarray(dispatch_ms, dtype=np.float64)
+    if len(x) < 2 or len(x) != len(y):
+        raise ValueError(f"need at least 2 (tokens, ms) dispatch points of equal count, got {len(x)} and {len(y)}")
+    c = _nonneg_lstsq(np.stack([np.ones_like(x), x], axis=1), y, np.ones_like(y))
+    return (ComputeFit(fit.overhead_ms + float(c[0]), fit.a_lin_ms_per_token + float(c[1]),
+                       fit.a_attn_ms_per_token2, fit.rel_err), float(c[0]), float(c[1]))

@@ -1,7 +1,8 @@
 """Measurements for the cost model: a model-shaped layer stack, compute, all-to-all and activation memory.
 
 Collective helpers: every rank of the job calls them together, so ranks contend for the machine as
-they do in training. Times are medians over repeats of the slowest rank (ms). No Megatron import;
+they do in training. Times (ms) are medians over repeats of the median over groups of each group's
+slowest rank. No Megatron import;
 the fitting lives in :mod:`megatron_flexsp.cost_model.calibrate`.
 """
 
@@ -80,10 +81,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _slowest_ms(seconds: float) -> float:
+def _group_ms(seconds: float, group) -> float:
+    """Median over the job's groups of each group's slowest rank (ms); collective on every rank."""
     t = torch.tensor([seconds * 1e3], dtype=torch.float64)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, t)
+    return statistics.median(float(x.item()) for x in every)
 
 
 def time_sequences(model: SpecStack, lengths: list[int], *, group, repeats: int, backend: str,
@@ -103,7 +107,7 @@ def time_sequences(model: SpecStack, lengths: list[int], *, group, repeats: int,
             t0 = time.perf_counter()
             step_loss(model, tokens, group=group, layout=layout, backend=backend)
             _sync(device)
-            ms = _slowest_ms(time.perf_counter() - t0)
+            ms = _group_ms(time.perf_counter() - t0, group)
             if rep:  # the first run warms up
                 samples.append(ms)
         model.zero_grad(set_to_none=True)
@@ -129,7 +133,7 @@ def time_alltoall(group, nbytes: list[int], *, repeats: int, device: torch.devic
             t0 = time.perf_counter()
             dist.all_to_all_single(y, x, group=group)
             _sync(device)
-            ms = _slowest_ms(time.perf_counter() - t0)
+            ms = _group_ms(time.perf_counter() - t0, group)
             if rep:
                 samples.append(ms)
         out.append(statistics.median(samples))
@@ -164,3 +168,29 @@ def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend:
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total[0] / length
+
+
+def time_dispatch(lengths: list[int], *, repeats: int, device: torch.device, progress=None) -> list[float]:
+    """Time (ms) of the runtime's token dispatch for one micro-batch in which every rank receives one
+    sequence of ``L`` tokens that another rank loaded, for each ``L`` (a per-micro-batch cost the
+    cost model charges as part of each group's fixed cost and per-token rate)."""
+    from megatron_flexsp.runtime.dispatch import dispatch
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    out = []
+    for length in lengths:
+        groups = [((r,), ((r + 1) % world,)) for r in range(world)]  # sequence s lives on rank s
+        loaded = {rank: torch.zeros(length, dtype=torch.int64)}
+        samples = []
+        for rep in range(repeats + 1):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dispatch(groups, [length] * world, loaded, device=device)
+            _sync(device)
+            ms = _group_ms(time.perf_counter() - t0, None)
+            if rep:
+                samples.append(ms)
+        out.append(statistics.median(samples))
+        if progress:
+            progress(f"dispatch: {length} tokens per rank, {out[-1]:.2f} ms")
+    return out
