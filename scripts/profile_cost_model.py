@@ -47,10 +47,14 @@ def parse_args(argv=None):
     ap.add_argument("--swiglu", action="store_true", default=True)
     ap.add_argument("--no-swiglu", dest="swiglu", action="store_false")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
-    ap.add_argument("--backend", default="auto", help="attention backend (auto: sdpa on CPU, flash on GPU)")
+    ap.add_argument("--backend", default="auto",
+                    help="attention backend (auto: flash on GPU when flash-attn is installed, else sdpa)")
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
     ap.add_argument("--alltoall-bytes", default="4096,32768,262144,1048576")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--megatron-steps", default="",
+                    help="steps.jsonl of a --flexsp Megatron run: use the activation bytes per token its "
+                         "first step measured in the real Megatron model instead of the layer stack's")
     ap.add_argument("--base", default="cpu-gloo-demo", help="profile whose device and state fields are kept")
     ap.add_argument("--hardware", default="")
     ap.add_argument("--port", type=int, default=29533)
@@ -95,7 +99,9 @@ def worker(args) -> int:
                      num_kv_heads=args.kv_heads or args.heads, ffn_hidden_size=args.ffn,
                      vocab_size=args.vocab, dtype_bytes=2 if dtype == torch.bfloat16 else 4,
                      swiglu=args.swiglu)
-    backend = args.backend if args.backend != "auto" else ("flash" if cuda else "sdpa")
+    import importlib.util
+    flash = cuda and importlib.util.find_spec("flash_attn") is not None
+    backend = args.backend if args.backend != "auto" else ("flash" if flash else "sdpa")
     cluster = ClusterSpec(world, args.gpus_per_node)
     sizes = candidate_group_sizes(cluster, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
     pool = SPGroupPool(cluster, sizes, singletons=True, device=device)
@@ -127,6 +133,12 @@ def worker(args) -> int:
                                       backend=backend, device=device, vocab=spec.vocab_size,
                                       progress=progress)
     if rank == 0:
+        stack_act = act
+        if args.megatron_steps:
+            first = json.loads(Path(args.megatron_steps).read_text().splitlines()[0])
+            if "activation_bytes_per_token" not in first:
+                raise ValueError(f"{args.megatron_steps}: its first step has no activation_bytes_per_token")
+            act = float(first["activation_bytes_per_token"])
         cfit = fit_compute(lengths, times)
         raw = [fit_alltoall(d, nbytes, ms) for d, ms in a2a.items()]
         kernel_fit = cfit
@@ -151,6 +163,8 @@ def worker(args) -> int:
         prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
                                 model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
                                 activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
+        if args.megatron_steps:
+            prof["source"] += f"; activation bytes per token measured in the Megatron model ({args.megatron_steps})"
         prof["measurements"] = {
             "lengths": lengths, "compute_ms": times, "group_compute_ms": {str(d): v for d, v in grouped.items()},
             "dispatch_tokens": dispatch_tokens, "dispatch_ms": dispatch_ms,
@@ -173,7 +187,8 @@ def worker(args) -> int:
               f"a_attn {kernel_fit.a_attn_ms_per_token2:.3e} ms/token^2, RMS relative error {cfit.rel_err:.1%}")
         print(f"dispatch per micro-batch: {disp_fixed:.3f} ms + {disp_rate:.2e} ms/token (added to the "
               f"fixed cost and the linear rate)")
-        print(f"activation memory: {act:.0f} bytes per token")
+        print(f"activation memory: {act:.0f} bytes per token held"
+              + (f" (Megatron model; layer stack: {stack_act:.0f})" if args.megatron_steps else " (layer stack)"))
         for f, r in zip(afits, raw):
             print(f"all-to-all size {f.group_size}: effective (from Ulysses layer timings) latency "
                   f"{f.latency_ms:.3f} ms/call, bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms, fit error "

@@ -57,7 +57,6 @@ def sample_lengths(args, cap: int):
 
 
 def worker(args) -> int:
-    import numpy as np
     import torch
     import torch.distributed as dist
 

@@ -82,15 +82,19 @@ def measured_profile(base: dict, *, hardware: str, gpus_per_node: int, model_nam
                      compute: ComputeFit, alltoall: list[AllToAllFit], activation_bytes_per_token: float,
                      num_layers: int, source: str) -> dict:
     """A profile dict: ``base``'s device and state fields, with measured coefficients for
-    ``model_name`` and measured all-to-all tables (intra-node: size <= ``gpus_per_node``).
+    ``model_name`` and measured all-to-all tables (intra-node: size <= ``gpus_per_node``); with no
+    all-to-all fits (one rank) the base's node size and tables are kept and ``source`` says so.
 
     The per-group-per-micro-batch overhead is the fit's intercept; the profile's per-layer overhead
     (used for other models) is that divided by ``num_layers``.
     """
     out = copy.deepcopy(base)
     out.update({"hardware": hardware, "estimated": False, "source": source,
-                "gpus_per_node": int(gpus_per_node),
                 "group_overhead_ms_per_layer": compute.overhead_ms / num_layers})
+    if not alltoall:  # one rank: nothing to measure; keep the base's node size and tables, say so
+        out["source"] += "; all-to-all tables NOT measured (one rank), copied from the base profile"
+        return _with_model(out, model_name, shape, compute, activation_bytes_per_token, alltoall)
+    out["gpus_per_node"] = int(gpus_per_node)
     intra = [f for f in alltoall if f.group_size <= gpus_per_node]
     inter = [f for f in alltoall if f.group_size > gpus_per_node]
     out["alltoall"] = {
@@ -99,11 +103,15 @@ def measured_profile(base: dict, *, hardware: str, gpus_per_node: int, model_nam
         "inter_node": [{"group_size": f.group_size, "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
                         "latency_ms": f.latency_ms} for f in inter],
     }
-    out.setdefault("models", {})
+    return _with_model(out, model_name, shape, compute, activation_bytes_per_token, alltoall)
+
+
+def _with_model(out: dict, model_name: str, shape: dict, compute: ComputeFit, act: float,
+                alltoall: list[AllToAllFit]) -> dict:
     out["models"] = {model_name: {
         "shape": shape, "a_attn_ms_per_token2": compute.a_attn_ms_per_token2,
         "a_lin_ms_per_token": compute.a_lin_ms_per_token, "group_overhead_ms": compute.overhead_ms,
-        "activation_bytes_per_token": float(activation_bytes_per_token),
+        "activation_bytes_per_token": float(act),
         "fit": {"compute_rel_err": compute.rel_err,
                 "alltoall_rel_err": {str(f.group_size): f.rel_err for f in alltoall}}}}
     return out

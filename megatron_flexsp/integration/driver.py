@@ -10,6 +10,7 @@ rows (the plain-Megatron baseline). Rank 0 appends one JSON line per step to ``s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import re
@@ -31,6 +32,7 @@ from megatron_flexsp.planner.service import PlanService
 from megatron_flexsp.runtime.agreement import check_agreement
 from megatron_flexsp.runtime.groups import SPGroupPool
 from megatron_flexsp.runtime.plan_check import check_plan
+from megatron_flexsp.runtime.profiler import SavedTensorMeter
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -87,6 +89,7 @@ class StepDriver:
 
     def __init__(self, args, settings: FlexSPSettings, *, on_cpu: bool) -> None:
         self.args, self.settings, self.on_cpu = args, settings, on_cpu
+        self.measure = True  # activation bytes per token, in the first step
         self.flexsp = bool(args.flexsp)
         self.source = DocumentSource(open_indexed(data_prefixes(args)))
         self.sampler = DocumentSampler(self.source.lengths, global_batch=args.global_batch_size,
@@ -286,27 +289,36 @@ class StepDriver:
                                         micro_batch_size=self.args.micro_batch_size, device=device)
         t0 = time.perf_counter()
         feed = _SwitchingIterator(items, self.switch)
+        # the first step also measures the Megatron model's activation bytes per token held
+        meter = SavedTensorMeter([p for c in chunks for p in c.parameters()]) if self.measure else None
         try:
-            out = self.schedule(
-                forward_step_func=forward_step_func, data_iterator=feed,
-                model=model, num_microbatches=len(items), seq_length=seq_length,
-                micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
+            with meter or contextlib.nullcontext():
+                out = self.schedule(
+                    forward_step_func=forward_step_func, data_iterator=feed,
+                    model=model, num_microbatches=len(items), seq_length=seq_length,
+                    micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
         finally:
             self.switch.restore()
         run_s = time.perf_counter() - t0
+        act = 0.0
+        if meter is not None:
+            self.measure = False
+            local = sum(int(it.tokens.numel()) for it in items if not getattr(it, "placeholder", False))
+            act = meter.bytes / local if local else 0.0
         self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, feed.switch_s, placeholder,
-                     source)
+                     source, act)
         return out
 
     def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, switch_s,
-                placeholder, source) -> None:
+                placeholder, source, act_bytes_per_token: float = 0.0) -> None:
         sums = torch.zeros(3, dtype=torch.float64)
         for d in out or []:
             v = d["lm loss"].detach().view(-1).double().cpu()
             sums[0] += v[0]
             sums[1] += v[1]
         sums[2] = float(placeholder)
-        worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items), switch_s], dtype=torch.float64)
+        worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items), switch_s, act_bytes_per_token],
+                             dtype=torch.float64)
         dist.all_reduce(sums)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if dist.get_rank() != 0:
@@ -321,6 +333,12 @@ class StepDriver:
                "dispatch_ms": 1e3 * float(worst[2]), "switch_ms": 1e3 * float(worst[4]),
                "max_micro_batches_per_rank": int(worst[3]),
                "idle_ranks": int(sums[2])}
+        if worst[5] > 0:
+            rec["activation_bytes_per_token"] = float(worst[5])
+            model_value = self.cm.coeffs.activation_bytes_per_token if self.cm is not None else None
+            log.info("activation memory of the Megatron model, measured in step %d: %.0f bytes per token "
+                     "held (cost model: %s)", batch.step, float(worst[5]),
+                     "n/a" if model_value is None else f"{model_value:.0f}")
         if plan is not None:
             rec.update(plan_source=source, predicted_ms=plan.predicted_step_ms,
                        gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,

@@ -149,15 +149,17 @@ class _StepLP:
         """Least ``R`` (ms) of relaxed plans whose slowest micro-batch is within ``t1`` and whose
         other micro-batches sum to at most ``r_cap`` (inf when there is none)."""
         h, tab = self.h, self.tab
+        # each other micro-batch is within t1 and within r_cap less the others' fixed costs
+        level_r = max(min(t1, r_cap - (self.m - 2) * self.f_min), 0.0)
         for d, row in self.time_rows.items():
             h.changeCoeff(row, self.n[d], -(t1 - tab.fixed[d]))
-        for d, row in self.time_rows_r.items():  # each pooled micro-batch is within r_cap
-            h.changeCoeff(row, self.nr[d], -(max(r_cap, 0.0) - tab.fixed[d]))
+        for d, row in self.time_rows_r.items():
+            h.changeCoeff(row, self.nr[d], -(level_r - tab.fixed[d]))
         if self._cols is None:
             self._cols = np.array(list(self.total1) + list(self.total_r), dtype=np.int32)
             self._totals = np.array(list(self.total1.values()) + list(self.total_r.values()))
             self._first = np.arange(len(self._cols)) < len(self.total1)
-        caps = np.where(self._first, t1, r_cap)
+        caps = np.where(self._first, t1, level_r)
         upper = (self._totals <= caps).astype(np.float64)
         h.changeColsBounds(len(self._cols), self._cols, np.zeros(len(self._cols)), upper)
         r_lo = (self.m - 1) * self.f_min

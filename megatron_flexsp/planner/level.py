@@ -129,6 +129,8 @@ class LevelPacker:
         be feasible (speeds up the search; checked, not trusted)."""
         if len(items) == 0:
             return 0.0, []
+        if int(self.tab.lens[items].sum()) > self.n_gpus * self.tab.cm.capacity_tokens:
+            return None  # more tokens than one micro-batch holds, at any level
         lo = self.lower_bound(items, 1)
         fast = self._bisect(items, lo, hi, rel_tol, self._pack_fast)
         stuffed = self._bisect(items, lo, fast[0] if fast else hi, 4 * rel_tol, self._pack_stuffed,
@@ -246,7 +248,7 @@ class LevelPacker:
         return sorted(cand)
 
     def plan(self, items: np.ndarray, m: int, grid: int = 6, step: float = 0.08,
-             upper_ms: float = math.inf) -> list[list[Group]] | None:
+             upper_ms: float = math.inf, hardest: int = 4) -> list[list[Group]] | None:
         """Best layout of ``items`` in at most ``m`` micro-batches found by level stuffing, or None
         when none is found below ``upper_ms``. Levels whose lower bound cannot beat the best layout
         so far are skipped without packing."""
@@ -257,7 +259,7 @@ class LevelPacker:
             return None if found is None or found[0] >= upper_ms else [found[1]]
         best, best_ms = None, upper_ms
         hint = None
-        for level in self.levels(items, grid, step):
+        for level in self.levels(items, grid, step, hardest=hardest):
             if level + (m - 1) * self.f_min >= best_ms:
                 break
             mb, left = self.stuff(items, level)

@@ -142,32 +142,49 @@ def time_alltoall(group, nbytes: list[int], *, repeats: int, device: torch.devic
     return out
 
 
-def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend: str,
-                               device: torch.device, vocab: int) -> float:
-    """Bytes of tensors autograd saves for backward in one forward of ``length`` tokens, per token.
+class SavedTensorMeter:
+    """Context manager counting the bytes of tensors autograd saves for backward (activations).
 
-    Tensors that are parameters are not counted; storages seen twice are counted once.
+    Parameters' storages (``params``) and storages seen before are not counted. ``bytes`` after
+    exit. Works for any model, Megatron's included.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    seen: set[int] = set()
-    total = [0]
 
-    def pack(t: torch.Tensor):
+    def __init__(self, params) -> None:
+        self._params = {p.untyped_storage().data_ptr() for p in params}
+        self._seen: set[int] = set()
+        self.bytes = 0
+        self._ctx = None
+
+    def _pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in params and ptr not in seen:
-            seen.add(ptr)
-            total[0] += t.untyped_storage().nbytes()
+        if ptr not in self._params and ptr not in self._seen:
+            self._seen.add(ptr)
+            self.bytes += t.untyped_storage().nbytes()
         return t
 
+    def __enter__(self) -> "SavedTensorMeter":
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._ctx.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+
+
+def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend: str,
+                               device: torch.device, vocab: int) -> float:
+    """Bytes of tensors autograd saves for backward in one forward of ``length`` tokens, per token
+    held by this rank (the cost model's ``activation_bytes_per_token``)."""
     d = dist.get_world_size(group)
     layout = build_group_layout([length], d)
-    tokens = torch.randint(0, vocab, (len(local_positions([length], d, dist.get_rank(group))),)).to(device)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    local = len(local_positions([length], d, dist.get_rank(group)))
+    tokens = torch.randint(0, vocab, (local,)).to(device)
+    with SavedTensorMeter(model.parameters()) as meter:
         logits = model(tokens, group=group, layout=layout, backend=backend)
         loss = F.cross_entropy(logits.float(), torch.roll(tokens, -1), reduction="sum")
     loss.backward()
     model.zero_grad(set_to_none=True)
-    return total[0] / length
+    return meter.bytes / local
 
 
 def time_dispatch(lengths: list[int], *, repeats: int, device: torch.device, progress=None) -> list[float]:

@@ -99,3 +99,8 @@ def test_records_plans_and_picture(runs):
     assert len(plans) == STEPS and all(p["format"] == "megatron-flexsp-plan" for p in plans)
     assert (out / "plan_step0.png").stat().st_size > 1000
     assert "flexsp step 0:" in runs["flexsp"].log
+    steps = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
+    # the first step measured the Megatron model's activation memory per token held
+    assert steps[0]["activation_bytes_per_token"] > 0
+    assert all("activation_bytes_per_token" not in s for s in steps[1:])
+    assert "activation memory of the Megatron model" in runs["flexsp"].log

@@ -57,3 +57,19 @@ def test_measured_profile_is_loadable_and_plans():
                                 max_seq_len=4096)
     assert cm.coeffs.source == "profile"
     assert cm.group_time_ms([1000], 1) == pytest.approx(2.0 + 0.1 * 1000 + 1e-5 * 1e6, rel=1e-9)
+
+
+def test_group_excess_and_dispatch_fold_in():
+    from megatron_flexsp.cost_model.calibrate import ComputeFit, fit_group_excess, with_dispatch
+    sent = np.array([1e4, 1e5, 1e6, 4e6])
+    excess = 8 * 0.5 + sent / (2.0 * 2 ** 20)  # 8 calls of 0.5 ms + 2 MiB/ms
+    f = fit_group_excess(4, sent, excess, calls=8)
+    assert f.latency_ms == pytest.approx(0.5, rel=1e-6)
+    assert f.bandwidth_mib_per_ms == pytest.approx(2.0, rel=1e-6)
+    with pytest.raises(ValueError, match="calls=0"):
+        fit_group_excess(4, sent, excess, calls=0)
+    base = ComputeFit(1.0, 0.01, 1e-6, 0.02)
+    out, fixed, rate = with_dispatch(base, [64, 1024, 4096], [2.0 + 64e-4, 2.0 + 1024e-4, 2.0 + 4096e-4])
+    assert fixed == pytest.approx(2.0, rel=1e-6) and rate == pytest.approx(1e-4, rel=1e-6)
+    assert out.overhead_ms == pytest.approx(3.0) and out.a_lin_ms_per_token == pytest.approx(0.0101)
+    assert out.a_attn_ms_per_token2 == base.a_attn_ms_per_token2
