@@ -57,6 +57,9 @@ def parse_args(argv=None):
                          "first step measured in the real Megatron model instead of the layer stack's")
     ap.add_argument("--base", default="cpu-gloo-demo", help="profile whose device and state fields are kept")
     ap.add_argument("--hardware", default="")
+    ap.add_argument("--capacity-tokens", type=int, default=0,
+                    help="CPU only: set the profile's (artificial) device memory so that each rank holds "
+                         "this many tokens of activations next to the model states (0: keep --base's)")
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--out", default="out/profile/cpu-measured.json")
     return ap.parse_args(argv)
@@ -173,6 +176,16 @@ def worker(args) -> int:
             "raw_alltoall_fit": {str(f.group_size): {"latency_ms": f.latency_ms,
                                                      "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
                                                      "rel_err": f.rel_err} for f in raw}}
+        if args.capacity_tokens:
+            if cuda:
+                raise ValueError("--capacity-tokens is for CPU profiles; a GPU profile keeps the device's memory")
+            from megatron_flexsp.cost_model import CostModel
+            probe = CostModel.from_profile(parse_profile(dict(prof, device_memory_bytes=1e18), "probe"), spec,
+                                           num_gpus=world, max_seq_len=max(lengths))
+            prof["device_memory_bytes"] = float(prof.get("memory_reserve_bytes", 0) + probe.state_bytes_per_gpu
+                                                + args.capacity_tokens * act + 1)
+            prof["source"] += (f"; device memory set for {args.capacity_tokens} tokens per rank "
+                               f"(artificial on CPU, so that long documents need groups)")
         parse_profile(prof, args.out)  # the planner must be able to load it
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
