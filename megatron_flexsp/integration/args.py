@@ -34,7 +34,7 @@ def add_flexsp_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="YAML with 'planner' and 'runtime' sections (see configs/flexsp_default.yaml)")
     g.add_argument("--flexsp-profile", type=str, default=None,
                    help="cost profile: a name in configs/profiles or a JSON path (default: "
-                        "cpu-gloo-demo in CPU mode, else h200-estimate)")
+                        "cpu-gloo-measured in CPU mode, else h200-estimate)")
     g.add_argument("--flexsp-over-length", choices=OVER_LENGTH_POLICIES, default="truncate",
                    help="documents longer than --seq-length (+1 for the label shift): truncate, "
                         "drop (counted) or error")

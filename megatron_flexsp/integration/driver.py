@@ -97,7 +97,7 @@ class StepDriver:
                                        over_length=args.flexsp_over_length)
         self.cm: CostModel | None = None
         if self.flexsp:
-            profile = load_profile(args.flexsp_profile or ("cpu-gloo-demo" if on_cpu else "h200-estimate"))
+            profile = load_profile(args.flexsp_profile or ("cpu-gloo-measured" if on_cpu else "h200-estimate"))
             world = args.world_size
             if world < profile.gpus_per_node and not world & (world - 1):
                 log.info("%d ranks: one partial node of profile %s (%d per node)", world,

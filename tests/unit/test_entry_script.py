@@ -59,9 +59,9 @@ def test_bad_cluster_or_profile_is_refused_before_training(case, docs, tmp_path)
             "activation_bytes_per_token": 8704.0}})
         args += ["--flexsp-profile", prof]
         expected = "this profile is for another model"
-    else:  # 3 heads: only groups of 1, too small for a 2048-token document
+    else:  # 3 heads: only groups of 1, too small for an 8192-token document
         args = [a if a != "4" or args[i - 1] != "--num-attention-heads" else "3"
-                for i, a in enumerate(tiny_args(seq_length=2048))]
+                for i, a in enumerate(tiny_args(seq_length=8192))]
         args = [a if a != "64" or args[i - 1] != "--hidden-size" else "48" for i, a in enumerate(args)]
         expected = "group sizes must divide num_heads=3"
     out = _run(["--flexsp", *args, "--train-iters", "1", "--data-path", str(docs)], tmp_path, **env)
