@@ -52,9 +52,11 @@ def parse_args(argv=None):
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
     ap.add_argument("--alltoall-bytes", default="4096,32768,262144,1048576")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--megatron-steps", default="",
-                    help="steps.jsonl of a --flexsp Megatron run: use the activation bytes per token its "
-                         "first step measured in the real Megatron model instead of the layer stack's")
+    ap.add_argument("--megatron-run", default="",
+                    help="--flexsp-plan-dir of a --flexsp Megatron run on the same ranks (steps.jsonl, "
+                         "plans.jsonl): take the activation bytes per token its first step measured in "
+                         "the Megatron model, and fit how its steps relate to this profile's predictions "
+                         "(a scale on compute and a cost per micro-batch)")
     ap.add_argument("--base", default="cpu-gloo-demo", help="profile whose device and state fields are kept")
     ap.add_argument("--hardware", default="")
     ap.add_argument("--capacity-tokens", type=int, default=0,
@@ -63,6 +65,24 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=29533)
     ap.add_argument("--out", default="out/profile/cpu-measured.json")
     return ap.parse_args(argv)
+
+
+def megatron_fit(prof: dict, spec, world: int, run: Path, steps: list[dict]):
+    """Fit (scale, per-micro-batch cost) of the Megatron run's steps against ``prof``'s predictions
+    of the same plans (its first 2 steps skipped: warm-up)."""
+    from megatron_flexsp.cost_model import CostModel
+    from megatron_flexsp.cost_model.calibrate import fit_training
+    from megatron_flexsp.cost_model.profile import parse_profile
+    from megatron_flexsp.plan import StepPlan
+    from megatron_flexsp.sim import simulate
+
+    cm = CostModel.from_profile(parse_profile(prof, "unscaled"), spec, num_gpus=world, max_seq_len=1 << 20)
+    plans = [StepPlan.from_json(x) for x in (run / "plans.jsonl").read_text().splitlines()]
+    if len(plans) != len(steps):
+        raise ValueError(f"{run}: {len(plans)} plans for {len(steps)} steps")
+    used = list(zip(plans, steps))[2:]
+    return fit_training([simulate(p, cm).step_ms for p, _ in used],
+                        [len(p.micro_batches) for p, _ in used], [s["run_ms"] for _, s in used])
 
 
 def launch(args) -> int:
@@ -81,7 +101,7 @@ def worker(args) -> int:
     import numpy as np
 
     from megatron_flexsp.cost_model.calibrate import (fit_alltoall, fit_compute, fit_group_excess,
-                                                      measured_profile, with_dispatch)
+                                                      measured_profile, scaled, with_dispatch)
     from megatron_flexsp.model_spec import ModelSpec
     from megatron_flexsp.runtime import profiler as P
     from megatron_flexsp.runtime.groups import SPGroupPool
@@ -137,11 +157,13 @@ def worker(args) -> int:
                                       progress=progress)
     if rank == 0:
         stack_act = act
-        if args.megatron_steps:
-            first = json.loads(Path(args.megatron_steps).read_text().splitlines()[0])
-            if "activation_bytes_per_token" not in first:
-                raise ValueError(f"{args.megatron_steps}: its first step has no activation_bytes_per_token")
-            act = float(first["activation_bytes_per_token"])
+        run_steps = []
+        if args.megatron_run:
+            run = Path(args.megatron_run)
+            run_steps = [json.loads(x) for x in (run / "steps.jsonl").read_text().splitlines()]
+            if "activation_bytes_per_token" not in run_steps[0]:
+                raise ValueError(f"{run / 'steps.jsonl'}: its first step has no activation_bytes_per_token")
+            act = float(run_steps[0]["activation_bytes_per_token"])
         cfit = fit_compute(lengths, times)
         raw = [fit_alltoall(d, nbytes, ms) for d, ms in a2a.items()]
         kernel_fit = cfit
@@ -166,8 +188,16 @@ def worker(args) -> int:
         prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
                                 model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
                                 activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
-        if args.megatron_steps:
-            prof["source"] += f"; activation bytes per token measured in the Megatron model ({args.megatron_steps})"
+        if run_steps:
+            tfit = megatron_fit(prof, spec, world, Path(args.megatron_run), run_steps)
+            cfit = scaled(cfit, tfit)
+            prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
+                                    model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
+                                    activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
+            prof["source"] += (f"; activation bytes per token measured in the Megatron model and compute "
+                               f"scaled x{tfit.scale:.3f} + {tfit.per_micro_batch_ms:.2f} ms per micro-batch "
+                               f"to fit {tfit.steps} steps of the Megatron run {args.megatron_run}")
+            prof["models"][spec.name]["fit"]["megatron_run"] = vars(tfit)
         prof["measurements"] = {
             "lengths": lengths, "compute_ms": times, "group_compute_ms": {str(d): v for d, v in grouped.items()},
             "dispatch_tokens": dispatch_tokens, "dispatch_ms": dispatch_ms,
@@ -201,7 +231,11 @@ def worker(args) -> int:
         print(f"dispatch per micro-batch: {disp_fixed:.3f} ms + {disp_rate:.2e} ms/token (added to the "
               f"fixed cost and the linear rate)")
         print(f"activation memory: {act:.0f} bytes per token held"
-              + (f" (Megatron model; layer stack: {stack_act:.0f})" if args.megatron_steps else " (layer stack)"))
+              + (f" (Megatron model; layer stack: {stack_act:.0f})" if run_steps else " (layer stack)"))
+        if run_steps:
+            print(f"Megatron run: measured/predicted median {tfit.raw_median_ratio:.3f} before the fit; "
+                  f"compute x{tfit.scale:.3f} + {tfit.per_micro_batch_ms:.2f} ms per micro-batch, RMS "
+                  f"relative error {tfit.rel_err:.1%} over {tfit.steps} steps")
         for f, r in zip(afits, raw):
             print(f"all-to-all size {f.group_size}: effective (from Ulysses layer timings) latency "
                   f"{f.latency_ms:.3f} ms/call, bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms, fit error "

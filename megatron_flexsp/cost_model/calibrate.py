@@ -152,3 +152,41 @@ def with_dispatch(fit: ComputeFit, tokens, dispatch_ms) -> tuple[ComputeFit, flo
     c = _nonneg_lstsq(np.stack([np.ones_like(x), x], axis=1), y, np.ones_like(y))
     return (ComputeFit(fit.overhead_ms + float(c[0]), fit.a_lin_ms_per_token + float(c[1]),
                        fit.a_attn_ms_per_token2, fit.rel_err), float(c[0]), float(c[1]))
+
+
+@dataclass(frozen=True)
+class TrainingFit:
+    """``measured ~ scale * predicted + per_micro_batch_ms * micro-batches`` over a training run's
+    steps; ``rel_err``: RMS relative error of that fit; ``raw_median_ratio``: measured / predicted
+    before it."""
+
+    scale: float
+    per_micro_batch_ms: float
+    rel_err: float
+    raw_median_ratio: float
+    steps: int
+
+
+def fit_training(predicted_ms, micro_batches, measured_ms) -> TrainingFit:
+    """Fit how a real training loop's steps relate to the profile's predictions (both >= 0).
+
+    A layer stack measures kernels; the framework around them (its layers' own implementation,
+    per-micro-batch bookkeeping, gradient synchronisation) adds a factor and a per-micro-batch cost
+    that this fit captures, from the steps of a run with known plans.
+    """
+    p = np.asarray(predicted_ms, dtype=np.float64)
+    n = np.asarray(micro_batches, dtype=np.float64)
+    y = np.asarray(measured_ms, dtype=np.float64)
+    if len(p) < 3 or not len(p) == len(n) == len(y):
+        raise ValueError(f"need at least 3 steps with predicted, micro-batch and measured values, got "
+                         f"{len(p)}, {len(n)}, {len(y)}")
+    a = np.stack([p, n], axis=1)
+    c = _nonneg_lstsq(a, y, 1.0 / y)
+    return TrainingFit(float(c[0]), float(c[1]), _rel_err(a @ c, y), float(np.median(y / p)), len(p))
+
+
+def scaled(fit: ComputeFit, training: TrainingFit) -> ComputeFit:
+    """``fit`` with its compute coefficients and fixed cost scaled and the per-micro-batch cost added."""
+    return ComputeFit(fit.overhead_ms * training.scale + training.per_micro_batch_ms,
+                      fit.a_lin_ms_per_token * training.scale, fit.a_attn_ms_per_token2 * training.scale,
+                      fit.rel_err)
