@@ -12,14 +12,31 @@ from megatron_flexsp.model_spec import ModelSpec
 from megatron_flexsp.planner import plan_step
 
 ROOT = Path(__file__).resolve().parents[2]
+SPEC = ModelSpec("gpt-2x64-4h", 2, 64, 4, ffn_hidden_size=256, vocab_size=384, dtype_bytes=4, swiglu=True)
+
+
+def _megatron_run(where: Path) -> Path:
+    """A --flexsp run's plan directory as the driver writes it (5 steps on 2 ranks)."""
+    cm = CostModel.from_profile(load_profile("cpu-gloo-measured"), SPEC, num_gpus=2, max_seq_len=512)
+    where.mkdir()
+    plans, steps = [], []
+    for k in range(5):
+        plan = plan_step([40 + 10 * k, 100, 30, 20 + k], cm)
+        plans.append(plan.to_json())
+        steps.append({"step": k, "run_ms": 2.0 * plan.predicted_step_ms,
+                      **({"activation_bytes_per_token": 12345.0} if k == 0 else {})})
+    (where / "plans.jsonl").write_text("\n".join(plans) + "\n")
+    (where / "steps.jsonl").write_text("\n".join(json.dumps(s) for s in steps) + "\n")
+    return where
 
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    out = tmp_path_factory.mktemp("profile") / "cpu.json"
+    base = tmp_path_factory.mktemp("profile")
+    out = base / "cpu.json"
     cmd = [sys.executable, "scripts/profile_cost_model.py", "--ranks", "2", "--gpus-per-node", "2",
            "--lengths", "32,64,128,256", "--alltoall-bytes", "4096,65536", "--repeats", "1",
-           "--port", "29561", "--out", str(out)]
+           "--port", "29561", "--megatron-run", str(_megatron_run(base / "run")), "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-3000:]
     assert "RMS relative error" in run.stdout
@@ -30,13 +47,13 @@ def test_profile_is_written_loadable_and_plans(measured):
     data = json.loads(measured.read_text())
     assert data["estimated"] is False and "measured by scripts/profile_cost_model.py" in data["source"]
     entry = data["models"]["gpt-2x64-4h"]
-    assert entry["a_lin_ms_per_token"] > 0 and entry["activation_bytes_per_token"] > 0
+    assert entry["a_lin_ms_per_token"] > 0
+    assert entry["activation_bytes_per_token"] == 12345.0  # from the Megatron run's first step
+    assert entry["fit"]["megatron_run"]["steps"] == 3 and entry["fit"]["megatron_run"]["scale"] > 0
     assert len(data["measurements"]["compute_ms"]) == 4
     assert [p["group_size"] for p in data["alltoall"]["intra_node"]] == [2]
     prof = load_profile(str(measured))
-    cm = CostModel.from_profile(prof, ModelSpec("gpt-2x64-4h", 2, 64, 4, ffn_hidden_size=256, vocab_size=384,
-                                          dtype_bytes=4, swiglu=True), num_gpus=2,
-                                max_seq_len=512)
+    cm = CostModel.from_profile(prof, SPEC, num_gpus=2, max_seq_len=512)
     plan = plan_step([40, 100, 30, 20], cm)
     assert plan.predicted_step_ms > 0
 

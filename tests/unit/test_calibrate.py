@@ -73,3 +73,16 @@ def test_group_excess_and_dispatch_fold_in():
     assert fixed == pytest.approx(2.0, rel=1e-6) and rate == pytest.approx(1e-4, rel=1e-6)
     assert out.overhead_ms == pytest.approx(3.0) and out.a_lin_ms_per_token == pytest.approx(0.0101)
     assert out.a_attn_ms_per_token2 == base.a_attn_ms_per_token2
+
+
+def test_training_fit_recovers_scale_and_per_micro_batch_cost():
+    from megatron_flexsp.cost_model.calibrate import ComputeFit, fit_training, scaled
+    pred = np.array([300.0, 500.0, 800.0, 450.0, 1200.0])
+    mbs = np.array([2, 3, 4, 2, 5])
+    t = fit_training(pred, mbs, 1.2 * pred + 40.0 * mbs)
+    assert t.scale == pytest.approx(1.2, rel=1e-6) and t.per_micro_batch_ms == pytest.approx(40.0, rel=1e-6)
+    assert t.rel_err < 1e-9 and t.steps == 5 and t.raw_median_ratio > 1.2
+    s = scaled(ComputeFit(2.0, 0.1, 1e-5, 0.03), t)
+    assert s.overhead_ms == pytest.approx(2.0 * 1.2 + 40.0) and s.a_lin_ms_per_token == pytest.approx(0.12)
+    with pytest.raises(ValueError, match="at least 3 steps"):
+        fit_training([1.0], [1], [1.0])
