@@ -95,7 +95,7 @@ class PlanService:
 
     def __init__(self, cm, *, strategy: str = "flexsp", config: PlannerConfig | None = None,
                  max_seq_len: int = 0, wait_budget_s: float = 1.0, fallback: str = "batchada",
-                 delay_s: float = 0.0, nice: int = 10) -> None:
+                 delay_s: float = 0.0, nice: int = 19) -> None:
         if wait_budget_s < 0:
             raise ValueError(f"wait_budget_s={wait_budget_s} must be >= 0")
         self.cm, self.strategy, self.config = cm, strategy, config or PlannerConfig()
