@@ -121,14 +121,14 @@ def worker(args) -> int:
                 it = iter(mine)
                 for mb in plan.micro_batches:
                     per_mb.append(next(it) if any(rank in g.ranks for g in mb.groups) else 0.0)
-                t = torch.tensor(per_mb, dtype=torch.float64)
+                t = torch.tensor(per_mb, dtype=torch.float64, device=device)  # NCCL: GPU tensors
                 gathered = [torch.zeros_like(t) for _ in range(world)]
                 dist.all_gather(gathered, t)
                 if rep == 0 or rank != 0:
                     continue  # warm-up run
                 for j, mb in enumerate(plan.micro_batches):
                     for g in mb.groups:
-                        measured = max(float(gathered[r][j]) for r in g.ranks)
+                        measured = max(float(gathered[r][j].item()) for r in g.ranks)
                         records.append({"batch": k, "strategy": strategy, "rep": rep, "kind": "group",
                                         "size": len(g.ranks), "predicted_ms": g.predicted_ms,
                                         "measured_ms": measured})

@@ -83,7 +83,9 @@ def _sync(device: torch.device) -> None:
 
 def _group_ms(seconds: float, group) -> float:
     """Median over the job's groups of each group's slowest rank (ms); collective on every rank."""
-    t = torch.tensor([seconds * 1e3], dtype=torch.float64)
+    nccl = dist.get_backend() == "nccl"  # NCCL reduces only GPU tensors
+    t = torch.tensor([seconds * 1e3], dtype=torch.float64,
+                     device=torch.device("cuda", torch.cuda.current_device()) if nccl else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     every = [torch.zeros_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(every, t)
