@@ -90,6 +90,7 @@ class StepDriver:
     def __init__(self, args, settings: FlexSPSettings, *, on_cpu: bool) -> None:
         self.args, self.settings, self.on_cpu = args, settings, on_cpu
         self.measure = True  # activation bytes per token, in the first step
+        self._sync_step = -1  # the step solved in-process when planning is asynchronous
         self.flexsp = bool(args.flexsp)
         self.source = DocumentSource(open_indexed(data_prefixes(args)))
         self.sampler = DocumentSampler(self.source.lengths, global_batch=args.global_batch_size,
@@ -225,7 +226,11 @@ class StepDriver:
                                        config=self.settings.planner, max_seq_len=self.args.seq_length,
                                        wait_budget_s=cfg.wait_budget_s, fallback=cfg.fallback,
                                        delay_s=cfg.solver_delay_s)
-            self.service.request(first, self.sampler.batch(first).lengths)
+            # nothing trains yet: the first step is solved here while the solver process starts
+            # (it would miss the budget while importing), and the process begins with the next one
+            self.service.request(first + 1, self.sampler.batch(first + 1).lengths)
+            self.precomputed[first] = self._solve_now(self.sampler.batch(first).lengths)
+            self._sync_step = first
 
     def _solve_now(self, lengths) -> StepPlan:
         return plan_step(lengths, self.cm, strategy=self.settings.strategy, config=self.settings.planner,
@@ -233,6 +238,9 @@ class StepDriver:
 
     def _plan_on_rank0(self, batch) -> tuple[StepPlan, str]:
         if batch.step in self.precomputed:
+            if batch.step == self._sync_step:  # the first step of an asynchronous run
+                self.service.request(batch.step + 1, self.sampler.batch(batch.step + 1).lengths)
+                return self.precomputed.pop(batch.step), "solver-sync"
             return self.precomputed.pop(batch.step), "precomputed"
         if self.service is None:
             return self._solve_now(batch.lengths), "solver-sync"

@@ -65,7 +65,8 @@ def test_flexsp_matches_plain_megatron_step_by_step(runs):
 def test_flexsp_used_heterogeneous_groups_from_the_async_solver(runs):
     sizes = {d for r in runs["flexsp"].steps for mb in r["group_sizes"] for d in mb}
     assert 1 in sizes and max(sizes) > 1, sizes
-    assert {r["plan_source"] for r in runs["flexsp"].steps} == {"solver"}
+    # the first step is solved in-process while the solver process starts, the others by it
+    assert [r["plan_source"] for r in runs["flexsp"].steps] == ["solver-sync"] + ["solver"] * (STEPS - 1)
 
 
 def test_resume_from_checkpoint_continues_the_run(runs):
