@@ -138,8 +138,7 @@ class SimpleBounds:
 def simple_bounds(tab: Tables) -> SimpleBounds:
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / tab.cm.cluster.num_gpus
-    fastest = max(min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes if tab.lens[i] <= tab.cap[d])
-                  for i in range(len(tab.lens)))
+    fastest = float(tab.critical_ms().max())
     return SimpleBounds(max(H.min_micro_batches(tab) * f_min + area, fastest), f_min, area)
 
 

@@ -27,6 +27,7 @@ import highspy
 import numpy as np
 
 from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _quiet_stdout
 
@@ -190,23 +191,28 @@ class _StepLP:
         return lo
 
 
-def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: float = 0.002,
-               max_solves: int = 200, num_buckets: int = 12, max_single: int = 24) -> BoundResult:
-    """Lower bound on the step time of plans with exactly ``m`` micro-batches.
-
-    ``target_ms``: stop once the bound reaches it (e.g. the best plan's time); ``t1_lo``: a valid
-    lower bound on the slowest micro-batch (e.g. the longest sequence's fastest finish).
-    """
-    crit = np.array([min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes
-                         if tab.lens[i] <= tab.cap[d]) for i in range(len(tab.lens))])
-    order = np.argsort(-crit, kind="stable")
+def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:
+    """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
+    the others as length buckets (cut at every size's memory capacity)."""
+    order = np.argsort(-tab.critical_ms(), kind="stable")
     singles = [int(i) for i in order[:max_single]]
     rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
     cm = tab.cm
     buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
                            a_lin=cm.coeffs.a_lin_ms_per_token,
                            cuts=tuple(sorted({int(tab.cap[d]) for d in tab.sizes})))
-    units = [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+    return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: float = 0.002,
+               max_solves: int = 200, units: list[tuple[np.ndarray, bool]] | None = None) -> BoundResult:
+    """Lower bound on the step time of plans with exactly ``m`` micro-batches.
+
+    ``target_ms``: stop once the bound reaches it (e.g. the best plan's time); ``t1_lo``: a valid
+    lower bound on the slowest micro-batch (e.g. the longest sequence's fastest finish); ``units``:
+    :func:`bound_units` (computed when not given).
+    """
+    units = units if units is not None else bound_units(tab)
     lp = _StepLP(tab, m, units)
     if m == 1:
         lo, hi = t1_lo, target_ms
@@ -249,12 +255,11 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     (sharing ``max_solves`` LP solves); plans with even more micro-batches are bounded by
     ``m f_min + GPU-time / N``, which grows with m. ``target_ms`` (the best plan) caps the result.
     """
-    n_gpus = tab.cm.cluster.num_gpus
-    m_min = max(1, math.ceil(int(tab.lens.sum()) / (tab.cm.capacity_tokens * n_gpus)))
+    m_min = min_micro_batches(tab)
     f_min = min(tab.fixed.values())
-    area = tab.area_min_ms() / n_gpus
-    crit = max(min(float(tab.time[d][i]) + tab.fixed[d] for d in tab.sizes if tab.lens[i] <= tab.cap[d])
-               for i in range(len(tab.lens)))
+    area = tab.area_min_ms() / tab.cm.cluster.num_gpus
+    crit = float(tab.critical_ms().max())
+    units = bound_units(tab)
 
     def simple(m: int) -> float:
         return max(m * f_min + area, crit + (m - 1) * f_min)
@@ -265,7 +270,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         if simple(m) >= best:
             break
         budget = max(1, max_solves - solves - 12 * (m_min + max_extra - m))  # a little for larger m
-        r = step_bound(tab, m, target_ms=best, t1_lo=crit, rel_tol=rel_tol, max_solves=budget)
+        r = step_bound(tab, m, target_ms=best, t1_lo=crit, rel_tol=rel_tol, max_solves=budget, units=units)
         solves += r.lp_solves
         best = min(best, max(r.bound_ms, simple(m)))
     else:

@@ -90,6 +90,18 @@ class Tables:
         self.fixed = {d: cm.group_fixed_ms(d) for d in self.sizes}
         self.cap = {d: cm.group_capacity_tokens(d) for d in self.sizes}
         self.min_size = np.array([cm.min_group_size(int(s)) for s in self.lens], dtype=np.int64)
+        self._critical: np.ndarray | None = None
+
+    def critical_ms(self) -> np.ndarray:
+        """Fastest finish of each sequence alone (ms): the least time + fixed cost over the sizes
+        whose memory holds it (inf when none does)."""
+        if self._critical is None:
+            best = np.full(len(self.lens), np.inf)
+            for d in self.sizes:
+                ok = self.lens <= self.cap[d]
+                best = np.where(ok, np.minimum(best, self.time[d] + self.fixed[d]), best)
+            self._critical = best
+        return self._critical
 
     def area_min_ms(self) -> float:
         """Sum over sequences of the smallest GPU-time (size x time) any feasible group gives."""

@@ -42,7 +42,7 @@ class LevelPacker:
         self.ok = np.stack([tab.lens <= tab.cap[d] for d in tab.sizes])    # memory holds it alone
         self.total = self.time + self.fixed[:, None]                       # alone in a group
         self.gpu_time = self.time * self.sizes[:, None]
-        self.critical = np.where(self.ok, self.total, np.inf).min(axis=0)  # fastest finish (ms)
+        self.critical = tab.critical_ms()                                  # fastest finish (ms)
         self.n_gpus = tab.cm.cluster.num_gpus
         self.f_min = float(self.fixed.min())
         order = np.argsort(self.gpu_time, axis=0, kind="stable")       # cheapest size first
