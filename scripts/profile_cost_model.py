@@ -109,14 +109,8 @@ def worker(args) -> int:
     from megatron_flexsp.utils.logging import get_logger
 
     log = get_logger("flexsp.profile")
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = P.init_job()
+    cuda = device.type == "cuda"
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
     spec = ModelSpec(f"gpt-{args.layers}x{args.hidden}-{args.heads}h", args.layers, args.hidden, args.heads,
                      num_kv_heads=args.kv_heads or args.heads, ffn_hidden_size=args.ffn,

@@ -68,14 +68,8 @@ def worker(args) -> int:
     from megatron_flexsp.runtime.executor import run_step
     from megatron_flexsp.runtime.groups import SPGroupPool
 
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if cuda else "gloo")
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if not cuda:
-        torch.set_num_threads(1)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    device, rank, world = P.init_job()
+    cuda = device.type == "cuda"
     profile = load_profile(args.profile)
     entry = profile.models[args.model]
     sh = entry["shape"]

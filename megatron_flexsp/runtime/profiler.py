@@ -8,6 +8,7 @@ the fitting lives in :mod:`megatron_flexsp.cost_model.calibrate`.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -76,6 +77,19 @@ def step_loss(model: SpecStack, tokens_t: torch.Tensor, *, group, layout: GroupL
     return loss.detach()
 
 
+def init_job() -> tuple[torch.device, int, int]:
+    """Join the torchrun job (NCCL on GPUs, gloo on CPU, one thread per CPU rank); returns this
+    rank's device, its rank and the world size."""
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    if not cuda:
+        torch.set_num_threads(1)
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return device, dist.get_rank(), dist.get_world_size()
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -92,6 +106,22 @@ def _group_ms(seconds: float, group) -> float:
     return statistics.median(float(x.item()) for x in every)
 
 
+def _median_ms(run, *, repeats: int, group, device: torch.device) -> float:
+    """Median over ``repeats`` timed calls of ``run()`` (after one warm-up call) of the job's
+    median group time (:func:`_group_ms`), in ms; collective on every rank."""
+    samples = []
+    for rep in range(repeats + 1):
+        dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        run()
+        _sync(device)
+        ms = _group_ms(time.perf_counter() - t0, group)
+        if rep:  # the first run warms up
+            samples.append(ms)
+    return statistics.median(samples)
+
+
 def time_sequences(model: SpecStack, lengths: list[int], *, group, repeats: int, backend: str,
                    device: torch.device, vocab: int, progress=None) -> list[float]:
     """Forward+backward time (ms) of one sequence of each length on ``group`` (each rank its shard)."""
@@ -102,18 +132,9 @@ def time_sequences(model: SpecStack, lengths: list[int], *, group, repeats: int,
         layout = build_group_layout([s], d)
         gen = torch.Generator().manual_seed(s)
         tokens = torch.randint(0, vocab, (len(local_positions([s], d, r)),), generator=gen).to(device)
-        samples = []
-        for rep in range(repeats + 1):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            step_loss(model, tokens, group=group, layout=layout, backend=backend)
-            _sync(device)
-            ms = _group_ms(time.perf_counter() - t0, group)
-            if rep:  # the first run warms up
-                samples.append(ms)
+        out.append(_median_ms(lambda: step_loss(model, tokens, group=group, layout=layout, backend=backend),
+                              repeats=repeats, group=group, device=device))
         model.zero_grad(set_to_none=True)
-        out.append(statistics.median(samples))
         if progress:
             progress(f"compute {k + 1}/{len(lengths)}: {s} tokens, {out[-1]:.2f} ms")
     return out
@@ -128,17 +149,8 @@ def time_alltoall(group, nbytes: list[int], *, repeats: int, device: torch.devic
         n = max(d, (b // 4) // d * d)
         x = torch.ones(n, dtype=torch.float32, device=device)
         y = torch.empty_like(x)
-        samples = []
-        for rep in range(repeats + 1):
-            dist.barrier()
-            _sync(device)
-            t0 = time.perf_counter()
-            dist.all_to_all_single(y, x, group=group)
-            _sync(device)
-            ms = _group_ms(time.perf_counter() - t0, group)
-            if rep:
-                samples.append(ms)
-        out.append(statistics.median(samples))
+        out.append(_median_ms(lambda: dist.all_to_all_single(y, x, group=group), repeats=repeats,
+                              group=group, device=device))
         if progress:
             progress(f"all-to-all size {d}: {b} bytes, {out[-1]:.3f} ms")
     return out
@@ -200,16 +212,8 @@ def time_dispatch(lengths: list[int], *, repeats: int, device: torch.device, pro
     for length in lengths:
         groups = [((r,), ((r + 1) % world,)) for r in range(world)]  # sequence s lives on rank s
         loaded = {rank: torch.zeros(length, dtype=torch.int64)}
-        samples = []
-        for rep in range(repeats + 1):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dispatch(groups, [length] * world, loaded, device=device)
-            _sync(device)
-            ms = _group_ms(time.perf_counter() - t0, None)
-            if rep:
-                samples.append(ms)
-        out.append(statistics.median(samples))
+        out.append(_median_ms(lambda: dispatch(groups, [length] * world, loaded, device=device),
+                              repeats=repeats, group=None, device=device))
         if progress:
             progress(f"dispatch: {length} tokens per rank, {out[-1]:.2f} ms")
     return out
