@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, fields
 OVER_LENGTH_POLICIES = ("error", "truncate", "drop")
 SEARCHES = ("level", "milp")
 STRATEGIES = ("static", "batchada", "megatron-dcp", "flexsp")
+SOLVER_PRIORITIES = ("idle", "low", "normal")  # CPU priority of the background solver process
 
 
 @dataclass(frozen=True)

@@ -23,8 +23,8 @@ Without apex or Transformer Engine (CPU, or a GPU install without them) Megatron
    ``_init_optimizer_states_with_dummy_values`` (one zero-gradient step; the checkpoint overwrites
    every value it produced), as Megatron already does for its FSDP path.
 
-With all three, a resume reproduces the uninterrupted run exactly with ``--ckpt-format torch`` (CI
-test) and ``torch_dist`` (checked by hand: see the README).
+With all three, a resume reproduces the uninterrupted run exactly with ``--ckpt-format torch`` and
+``torch_dist``; ``tests/integration/test_megatron_train.py`` checks both and that each fix is needed.
 """
 
 from __future__ import annotations

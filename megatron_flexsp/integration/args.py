@@ -13,7 +13,7 @@ import argparse
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from megatron_flexsp.config import OVER_LENGTH_POLICIES, STRATEGIES, PlannerConfig
+from megatron_flexsp.config import OVER_LENGTH_POLICIES, SOLVER_PRIORITIES, STRATEGIES, PlannerConfig
 from megatron_flexsp.integration.cpu_mode import CPU_MODES
 from megatron_flexsp.runtime.attention import BACKENDS
 
@@ -73,6 +73,8 @@ class PlanningSettings:
         strategy); the late solution is discarded.
     precompute: solve every step's plan before training starts (benchmark reference).
     solver_delay_s: delay every solve (test and benchmark hook for a slow solver).
+    solver_priority: the solver process's CPU priority: ``low`` (nice 19, the default), ``idle``
+        (Linux ``SCHED_IDLE``: only CPU time nothing else wants) or ``normal``.
     """
 
     asynchronous: bool = True
@@ -80,11 +82,15 @@ class PlanningSettings:
     fallback: str = "batchada"
     precompute: bool = False
     solver_delay_s: float = 0.0
+    solver_priority: str = "low"
 
     def __post_init__(self) -> None:
         if self.wait_budget_s < 0 or self.solver_delay_s < 0:
             raise ValueError(f"planning.wait_budget_s={self.wait_budget_s} and solver_delay_s="
                              f"{self.solver_delay_s} must be >= 0")
+        if self.solver_priority not in SOLVER_PRIORITIES:
+            raise ValueError(f"planning.solver_priority={self.solver_priority!r} must be one of "
+                             f"{list(SOLVER_PRIORITIES)}")
         if self.fallback not in STRATEGIES or self.fallback == "flexsp":
             raise ValueError(f"planning.fallback={self.fallback!r} must be a fast baseline: one of "
                              f"{[s for s in STRATEGIES if s != 'flexsp']}")

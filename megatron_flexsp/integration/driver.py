@@ -126,6 +126,7 @@ class StepDriver:
         self.schedule = None
         self.service = None
         self.precomputed: dict[int, object] = {}
+        self.solver_cpu_s = 0.0  # rank 0: CPU time of the solver process's solves taken this step
         self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
                                                      else "flexsp_out"))
         self._pictured = False
@@ -225,7 +226,7 @@ class StepDriver:
             self.service = PlanService(self.cm, strategy=self.settings.strategy,
                                        config=self.settings.planner, max_seq_len=self.args.seq_length,
                                        wait_budget_s=cfg.wait_budget_s, fallback=cfg.fallback,
-                                       delay_s=cfg.solver_delay_s)
+                                       delay_s=cfg.solver_delay_s, priority=cfg.solver_priority)
             # nothing trains yet: the first step is solved here while the solver process starts
             # (it would miss the budget while importing), and the process begins with the next one
             self.service.request(first + 1, self.sampler.batch(first + 1).lengths)
@@ -238,16 +239,21 @@ class StepDriver:
 
     def _plan_on_rank0(self, batch) -> tuple[StepPlan, str]:
         if batch.step in self.precomputed:
-            if batch.step == self._sync_step:  # the first step of an asynchronous run
-                self.service.request(batch.step + 1, self.sampler.batch(batch.step + 1).lengths)
-                return self.precomputed.pop(batch.step), "solver-sync"
-            return self.precomputed.pop(batch.step), "precomputed"
+            source = "solver-sync" if batch.step == self._sync_step else "precomputed"
+            return self.precomputed.pop(batch.step), source
         if self.service is None:
             return self._solve_now(batch.lengths), "solver-sync"
+        before = self.service.solver_cpu_s
         outcome = self.service.take(batch.step, batch.lengths)
-        # look ahead: solve the next batch while this step trains
-        self.service.request(batch.step + 1, self.sampler.batch(batch.step + 1).lengths)
+        self.solver_cpu_s = self.service.solver_cpu_s - before  # solves finished since the last step
         return outcome.plan, outcome.source
+
+    def _look_ahead(self, step: int) -> None:
+        """Rank 0: ask the solver for the next batch's plan, to be solved while ``step`` trains
+        (called once all ranks hold this step's plan, so that the solver's start does not delay the
+        plan's broadcast)."""
+        if self.service is not None and dist.get_rank() == 0:
+            self.service.request(step + 1, self.sampler.batch(step + 1).lengths)
 
     def _plan(self, batch) -> tuple[StepPlan, float, str]:
         t0 = time.perf_counter()
@@ -261,7 +267,9 @@ class StepDriver:
         model = self.cm.model
         check_plan(plan, self.pool, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
                    kv_replication=self.settings.runtime.kv_replication)
-        return plan, time.perf_counter() - t0, payload[1]
+        wait_s = time.perf_counter() - t0
+        self._look_ahead(batch.step)
+        return plan, wait_s, payload[1]
 
     @property
     def device(self) -> torch.device:
@@ -349,6 +357,7 @@ class StepDriver:
                      "n/a" if model_value is None else f"{model_value:.0f}")
         if plan is not None:
             rec.update(plan_source=source, predicted_ms=plan.predicted_step_ms,
+                       solver_cpu_ms=1e3 * self.solver_cpu_s,
                        gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,
                        group_sizes=plan.group_sizes, solve_s=plan.solve_time_s)
             log.info("%s step %d: %d micro-batches, groups %s, plan by %s (%s, gap %s), predicted %.0f "

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from megatron_flexsp.config import PlannerConfig
+from megatron_flexsp.config import SOLVER_PRIORITIES, PlannerConfig
 from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.planner.api import plan_step
 from megatron_flexsp.utils.logging import get_logger
@@ -43,16 +43,34 @@ class PlanOutcome:
     source: str
     wait_s: float
     note: str = ""
+    solver_cpu_s: float = 0.0  # CPU time the solver process spent on this step (all its threads)
 
 
 _STARTED = "__started__"
 
 
+def _lower_priority(priority: str) -> str:
+    """Give this process (and the threads it starts, e.g. HiGHS's) less CPU priority than training.
+
+    ``idle``: Linux ``SCHED_IDLE`` (runs only on CPU time no other process wants), else ``low``;
+    ``low``: nice 19; ``normal``: unchanged. Returns what was applied.
+    """
+    if priority == "idle" and hasattr(os, "sched_setscheduler") and hasattr(os, "SCHED_IDLE"):
+        try:
+            os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+            return "idle"
+        except OSError:
+            pass
+    if priority in ("idle", "low") and hasattr(os, "nice"):
+        os.nice(19)
+        return "low"
+    return "normal"
+
+
 def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, max_seq_len: int,
-                 delay_s: float, nice: int) -> None:
+                 delay_s: float, priority: str) -> None:
     """Solve requested steps, oldest first, skipping those the trainer has already taken."""
-    if nice and hasattr(os, "nice"):
-        os.nice(nice)  # training processes get the CPU first
+    _lower_priority(priority)  # training processes get the CPU first
     wanted: dict[int, list[int]] = {}
     taken = -1
     while True:
@@ -75,39 +93,45 @@ def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, ma
             continue
         step = min(wanted)
         lens = wanted.pop(step)
-        results.put((step, _STARTED, ""))
+        results.put((step, _STARTED, "", 0.0))
+        cpu0 = time.process_time()
         try:
             if delay_s:
                 time.sleep(delay_s)
             plan = plan_step(np.asarray(lens), cm, strategy=strategy, config=config,
                              max_seq_len=max_seq_len)
-            results.put((step, plan.to_json(), ""))
+            results.put((step, plan.to_json(), "", time.process_time() - cpu0))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which falls back
-            results.put((step, None, f"{type(exc).__name__}: {exc}"))
+            results.put((step, None, f"{type(exc).__name__}: {exc}", time.process_time() - cpu0))
 
 
 class PlanService:
     """Solver process for one run; create on the planning rank only, :meth:`close` at the end.
 
     ``delay_s`` delays every solve (a test hook: shows that the fallback keeps steps on time).
-    ``nice``: the solver's CPU priority offset (Unix), so that it never slows the training ranks.
+    ``priority``: the solver's CPU priority (:data:`~megatron_flexsp.config.SOLVER_PRIORITIES`):
+    ``low`` (nice 19, the default) or ``idle`` (``SCHED_IDLE``) let the training processes have the
+    CPU first; ``normal`` keeps the trainer's.
     """
 
     def __init__(self, cm, *, strategy: str = "flexsp", config: PlannerConfig | None = None,
                  max_seq_len: int = 0, wait_budget_s: float = 1.0, fallback: str = "batchada",
-                 delay_s: float = 0.0, nice: int = 19) -> None:
+                 delay_s: float = 0.0, priority: str = "low") -> None:
         if wait_budget_s < 0:
             raise ValueError(f"wait_budget_s={wait_budget_s} must be >= 0")
+        if priority not in SOLVER_PRIORITIES:
+            raise ValueError(f"priority={priority!r} must be one of {SOLVER_PRIORITIES}")
         self.cm, self.strategy, self.config = cm, strategy, config or PlannerConfig()
         self.max_seq_len, self.wait_budget_s, self.fallback = max_seq_len, wait_budget_s, fallback
-        self.delay_s, self.nice = delay_s, nice
+        self.delay_s, self.priority = delay_s, priority
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._requests = self._results = None
         self._pending: dict[int, np.ndarray] = {}
-        self._done: dict[int, tuple[str | None, str]] = {}
+        self._done: dict[int, tuple[str | None, str, float]] = {}
         self._current: int | None = None  # the step the solver is working on, as last reported
         self.restarts = 0
+        self.solver_cpu_s = 0.0  # CPU seconds of all finished solves so far
         self._start()
 
     def _start(self) -> None:
@@ -115,7 +139,7 @@ class PlanService:
         self._proc = self._ctx.Process(
             target=_solver_main, name="flexsp-planner", daemon=True,
             args=(self._requests, self._results, self.cm, self.strategy, self.config,
-                  self.max_seq_len, self.delay_s, self.nice))
+                  self.max_seq_len, self.delay_s, self.priority))
         self._proc.start()
 
     def _restart(self) -> None:
@@ -143,7 +167,7 @@ class PlanService:
     def _drain(self, timeout: float) -> bool:
         """Take one message from the solver (waiting up to ``timeout``); False if none came."""
         try:
-            step, text, err = self._results.get(timeout=timeout) if timeout > 0 \
+            step, text, err, cpu_s = self._results.get(timeout=timeout) if timeout > 0 \
                 else self._results.get_nowait()
         except queue.Empty:
             return False
@@ -153,7 +177,8 @@ class PlanService:
         if self._current == step:
             self._current = None
         self._pending.pop(step, None)
-        self._done[step] = (text, err)
+        self._done[step] = (text, err, cpu_s)
+        self.solver_cpu_s += cpu_s  # every solve, also those discarded as late
         return True
 
     def _busy_with_older(self, step: int) -> bool:
@@ -197,7 +222,7 @@ class PlanService:
             return self._fallback(step, lens, t0, "fallback-busy" if busy else "fallback-late",
                                   f"the solver is still on step {self._current}" if busy else
                                   f"no plan within the {self.wait_budget_s:.2f} s budget")
-        text, err = self._done.pop(step)
+        text, err, cpu_s = self._done.pop(step)
         if text is None:
             log.warning("step %d: the planner failed (%s); using the %s fallback", step, err,
                         self.fallback)
@@ -205,7 +230,7 @@ class PlanService:
         plan = StepPlan.from_json(text)
         if not np.array_equal(np.asarray(plan.original_lens or plan.seq_lens), lens):
             return self._fallback(step, lens, t0, "fallback-error", "plan for other lengths")
-        return PlanOutcome(plan, "solver", time.perf_counter() - t0)
+        return PlanOutcome(plan, "solver", time.perf_counter() - t0, solver_cpu_s=cpu_s)
 
     def _fallback(self, step: int, lens: np.ndarray, t0: float, source: str, note: str) -> PlanOutcome:
         plan = plan_step(lens, self.cm, strategy=self.fallback,

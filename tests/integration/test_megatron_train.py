@@ -1,10 +1,13 @@
-"""Megatron's own training loop with --flexsp on 4 CPU gloo ranks (four launches, ~2-3 min).
+"""Megatron's own training loop with --flexsp on 4 CPU gloo ranks (eight launches, ~5 min).
 
 - parity: a --flexsp run and a plain Megatron data-parallel run on the same documents give the same
   loss and grad norm step by step (fp32; relative tolerance 1e-5);
 - checkpoints: a --flexsp run resumed from its Megatron checkpoint at iteration 3 continues the same
-  document stream and plans and reproduces the uninterrupted run's losses;
-- the resume needs our distributed-optimizer patches (a launch without them fails);
+  document stream and plans and reproduces the uninterrupted run's losses and grad norms, with
+  ``--ckpt-format torch`` and ``torch_dist`` (both with ``--use-distributed-optimizer``);
+- the resume needs our distributed-optimizer patches: without them the load fails (``torch``: the
+  in-place copy and the missing ``step``; ``torch_dist``: torch Adam's missing state), and without
+  the unshared-step fix it silently changes the grad norms;
 - records: per-step plan summaries, plans, a plan picture and the document accounting are written.
 """
 
@@ -41,7 +44,24 @@ def runs(tmp_path_factory):
     assert resumed.returncode == 0, resumed.log[-6000:]
     unpatched = run_pretrain(base / "unpatched", data, [*flexsp, "--load", str(at3)], steps=4,
                              env={"FLEXSP_TEST_UNPATCHED_OPTIMIZER": "1"})
-    return {"flexsp": flex, "plain": plain, "resumed": resumed, "unpatched": unpatched, "base": base}
+    # the shared Adam step (bug 2) does not crash: it silently changes the resumed steps
+    shared_step = run_pretrain(base / "shared_step", data, [*flexsp, "--load", str(at3)], steps=STEPS,
+                               env={"FLEXSP_TEST_UNPATCHED_OPTIMIZER": "load_state_dict"})
+    # torch_dist: the uninterrupted run saves at 3, a second launch resumes from there
+    dist_fmt = ["--ckpt-format", "torch_dist"]
+    flex_dist = run_pretrain(base / "flexsp_dist", data, [*flexsp, *dist_fmt, "--save",
+                                                          str(base / "ckpt_dist"), "--save-interval", "3"],
+                             steps=STEPS)
+    assert flex_dist.returncode == 0, flex_dist.log[-6000:]
+    (base / "ckpt_dist" / "latest_checkpointed_iteration.txt").write_text("3")
+    load_dist = [*flexsp, *dist_fmt, "--load", str(base / "ckpt_dist")]
+    resumed_dist = run_pretrain(base / "resumed_dist", data, load_dist, steps=STEPS)
+    assert resumed_dist.returncode == 0, resumed_dist.log[-6000:]
+    dist_unpatched = run_pretrain(base / "dist_unpatched", data, load_dist, steps=4,
+                                  env={"FLEXSP_TEST_UNPATCHED_OPTIMIZER": "sharded_state_dict"})
+    return {"flexsp": flex, "plain": plain, "resumed": resumed, "unpatched": unpatched, "base": base,
+            "shared_step": shared_step, "flexsp_dist": flex_dist, "resumed_dist": resumed_dist,
+            "dist_unpatched": dist_unpatched}
 
 
 def _close(a: float, b: float) -> bool:
@@ -69,21 +89,46 @@ def test_flexsp_used_heterogeneous_groups_from_the_async_solver(runs):
     assert [r["plan_source"] for r in runs["flexsp"].steps] == ["solver-sync"] + ["solver"] * (STEPS - 1)
 
 
-def test_resume_from_checkpoint_continues_the_run(runs):
-    flex, resumed = runs["flexsp"], runs["resumed"]
+def _assert_same_continuation(full, resumed) -> None:
+    """The resumed launch's steps 3.. equal the uninterrupted run's: documents, plans, losses (our
+    per-step records) and grad norms (Megatron's log)."""
     assert [r["step"] for r in resumed.steps] == [3, 4, 5]
-    by_step = {r["step"]: r for r in flex.steps}
+    by_step = {r["step"]: r for r in full.steps}
     for r in resumed.steps:
         assert r["tokens"] == by_step[r["step"]]["tokens"]
         assert r["group_sizes"] == by_step[r["step"]]["group_sizes"]
         assert _close(r["loss"], by_step[r["step"]]["loss"]), (r["step"], r["loss"],
                                                                by_step[r["step"]]["loss"])
+    assert set(resumed.iterations) == {4, 5, 6}
+    for it, (_, grad_norm) in resumed.iterations.items():
+        assert _close(grad_norm, full.iterations[it][1]), (it, grad_norm, full.iterations[it][1])
+
+
+def test_resume_from_checkpoint_continues_the_run(runs):
+    _assert_same_continuation(runs["flexsp"], runs["resumed"])
+
+
+def test_resume_from_torch_dist_checkpoint_continues_the_run(runs):
+    _assert_same_continuation(runs["flexsp_dist"], runs["resumed_dist"])
+    # the checkpoint format does not change training
+    for a, b in zip(runs["flexsp"].steps, runs["flexsp_dist"].steps):
+        assert _close(a["loss"], b["loss"]), (a["step"], a["loss"], b["loss"])
 
 
 def test_resume_needs_the_distributed_optimizer_patches(runs):
     bad = runs["unpatched"]  # megatron-core 0.19 as shipped, torch Adam, --use-distributed-optimizer
     assert bad.returncode != 0
     assert "KeyError: 'step'" in bad.log or "leaf Variable that requires grad" in bad.log
+    # torch_dist without the optimizer-state fix: the load stops on torch Adam's missing state
+    bad = runs["dist_unpatched"]
+    assert bad.returncode != 0 and "assert len(steps) == 1" in bad.log, bad.log[-3000:]
+
+
+def test_shared_adam_step_silently_changes_the_resumed_run(runs):
+    """Without the unshared-step fix the resume runs to the end, but its grad norms differ."""
+    bad, full = runs["shared_step"], runs["flexsp"]
+    assert bad.returncode == 0, bad.log[-3000:]
+    assert not all(_close(bad.iterations[it][1], full.iterations[it][1]) for it in (5, 6))
 
 
 def test_checkpoint_carries_the_document_accounting(runs):

@@ -66,6 +66,11 @@ def test_settings_file(tmp_path):
         load_settings(str(cfg))
     with pytest.raises(ValueError, match="does not exist"):
         load_settings(str(tmp_path / "missing.yaml"))
+    cfg.write_text("planning:\n  solver_priority: realtime\n")
+    with pytest.raises(ValueError, match="solver_priority='realtime'"):
+        load_settings(str(cfg))
+    cfg.write_text("planning:\n  solver_priority: idle\n")
+    assert load_settings(str(cfg)).planning.solver_priority == "idle"
 
 
 def test_sampler_uses_every_document_once_per_epoch_and_counts_what_it_cuts():

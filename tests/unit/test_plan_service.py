@@ -31,6 +31,9 @@ def test_solver_plan_within_budget_and_lookahead(small_cm):
         assert a.source == "solver" and b.source == "solver"
         assert a.plan.strategy == "flexsp" and list(a.plan.seq_lens) == LENS.tolist()
         assert list(b.plan.seq_lens) == LENS[::-1].tolist()
+        # each solve reports the solver process's CPU time; the service sums them
+        assert a.solver_cpu_s > 0 and b.solver_cpu_s > 0
+        assert svc.solver_cpu_s == pytest.approx(a.solver_cpu_s + b.solver_cpu_s)
     finally:
         svc.close()
     assert not svc.alive
@@ -80,6 +83,23 @@ def test_failed_solve_and_dead_solver_fall_back_without_hanging(small_cm):
         svc.close()
 
 
-def test_bad_budget_is_refused(small_cm):
+def test_bad_budget_and_priority_are_refused(small_cm):
     with pytest.raises(ValueError, match="wait_budget_s=-1"):
         PlanService(small_cm, wait_budget_s=-1)
+    with pytest.raises(ValueError, match="priority='high'"):
+        PlanService(small_cm, priority="high")
+
+
+@pytest.mark.parametrize("priority", ["idle", "low"])
+def test_solver_priority_is_below_training(small_cm, priority):
+    """The solver process runs at a lower CPU priority than the process that started it."""
+    svc = PlanService(small_cm, max_seq_len=16384, wait_budget_s=120, priority=priority)
+    try:
+        assert svc.take(0, LENS[:8]).source == "solver"
+        pid = svc._proc.pid
+        if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        else:
+            assert os.getpriority(os.PRIO_PROCESS, pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1)
+    finally:
+        svc.close()
