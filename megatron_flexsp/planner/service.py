@@ -70,7 +70,10 @@ def _lower_priority(priority: str) -> str:
 def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, max_seq_len: int,
                  delay_s: float, priority: str) -> None:
     """Solve requested steps, oldest first, skipping those the trainer has already taken."""
-    _lower_priority(priority)  # training processes get the CPU first
+    applied = _lower_priority(priority)  # training processes get the CPU first
+    if applied != priority:
+        log.warning("planner process: CPU priority %r is not available here; running at %r",
+                    priority, applied)
     wanted: dict[int, list[int]] = {}
     taken = -1
     while True:
