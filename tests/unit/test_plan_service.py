@@ -97,9 +97,10 @@ def test_solver_priority_is_below_training(small_cm, priority):
     try:
         assert svc.take(0, LENS[:8]).source == "solver"
         pid = svc._proc.pid
-        if priority == "idle" and hasattr(os, "SCHED_IDLE"):
-            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
+        lowered = os.getpriority(os.PRIO_PROCESS, pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1)
+        if priority == "idle" and hasattr(os, "SCHED_IDLE"):  # else (refused) it falls back to nice 19
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE or lowered
         else:
-            assert os.getpriority(os.PRIO_PROCESS, pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1)
+            assert lowered
     finally:
         svc.close()
