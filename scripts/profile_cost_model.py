@@ -94,14 +94,16 @@ def launch(args) -> int:
 
 
 def worker(args) -> int:
+    import importlib.util
+
+    import numpy as np
     import torch
     import torch.distributed as dist
 
-    from megatron_flexsp.cost_model.profile import parse_profile
-    import numpy as np
-
+    from megatron_flexsp.cost_model import CostModel
     from megatron_flexsp.cost_model.calibrate import (fit_alltoall, fit_compute, fit_group_excess,
                                                       measured_profile, scaled, with_dispatch)
+    from megatron_flexsp.cost_model.profile import parse_profile
     from megatron_flexsp.model_spec import ModelSpec
     from megatron_flexsp.runtime import profiler as P
     from megatron_flexsp.runtime.groups import SPGroupPool
@@ -116,7 +118,6 @@ def worker(args) -> int:
                      num_kv_heads=args.kv_heads or args.heads, ffn_hidden_size=args.ffn,
                      vocab_size=args.vocab, dtype_bytes=2 if dtype == torch.bfloat16 else 4,
                      swiglu=args.swiglu)
-    import importlib.util
     flash = cuda and importlib.util.find_spec("flash_attn") is not None
     backend = args.backend if args.backend != "auto" else ("flash" if flash else "sdpa")
     cluster = ClusterSpec(world, args.gpus_per_node)
@@ -165,8 +166,7 @@ def worker(args) -> int:
         afits = []
         for d, ms in grouped.items():  # effective all-to-all: group time beyond its compute share
             s = np.asarray(lengths, dtype=np.float64)
-            share = kernel_fit.overhead_ms + (kernel_fit.a_lin_ms_per_token * s
-                                              + kernel_fit.a_attn_ms_per_token2 * s * s) / d
+            share = kernel_fit.time_ms(s, d)
             sent = (2.0 * spec.num_layers * spec.alltoall_elems_per_token() * spec.dtype_bytes
                     * (s / d) * (d - 1) / d)
             afits.append(fit_group_excess(d, sent, np.asarray(ms) - share, 4 * spec.num_layers))
@@ -179,15 +179,17 @@ def worker(args) -> int:
         shape = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "num_heads": spec.num_heads,
                  "num_kv_heads": spec.num_kv_heads, "ffn_hidden_size": spec.ffn_hidden_size,
                  "vocab_size": spec.vocab_size, "swiglu": spec.swiglu, "dtype_bytes": spec.dtype_bytes}
-        prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
-                                model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
-                                activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
-        if run_steps:
+        def build(compute):
+            return measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
+                                    model_name=spec.name, shape=shape, compute=compute, alltoall=afits,
+                                    activation_bytes_per_token=act, num_layers=spec.num_layers,
+                                    source=source)
+
+        prof = build(cfit)
+        if run_steps:  # fitted against the unscaled profile's predictions, then applied
             tfit = megatron_fit(prof, spec, world, Path(args.megatron_run), run_steps)
             cfit = scaled(cfit, tfit)
-            prof = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
-                                    model_name=spec.name, shape=shape, compute=cfit, alltoall=afits,
-                                    activation_bytes_per_token=act, num_layers=spec.num_layers, source=source)
+            prof = build(cfit)
             prof["source"] += (f"; activation bytes per token measured in the Megatron model and compute "
                                f"scaled x{tfit.scale:.3f} + {tfit.per_micro_batch_ms:.2f} ms per micro-batch "
                                f"to fit {tfit.steps} steps of the Megatron run {args.megatron_run}")
@@ -203,7 +205,6 @@ def worker(args) -> int:
         if args.capacity_tokens:
             if cuda:
                 raise ValueError("--capacity-tokens is for CPU profiles; a GPU profile keeps the device's memory")
-            from megatron_flexsp.cost_model import CostModel
             probe = CostModel.from_profile(parse_profile(dict(prof, device_memory_bytes=1e18), "probe"), spec,
                                            num_gpus=world, max_seq_len=max(lengths))
             prof["device_memory_bytes"] = float(prof.get("memory_reserve_bytes", 0) + probe.state_bytes_per_gpu
@@ -217,8 +218,7 @@ def worker(args) -> int:
         print(f"\nProfile of {spec.name} on {hardware} ({world} ranks), {time.perf_counter() - t_start:.0f} s")
         print(f"{'tokens':>7} {'measured ms':>12} {'fit ms':>9} {'error':>7}")
         for s, ms in zip(lengths, times):
-            fit = (kernel_fit.overhead_ms + kernel_fit.a_lin_ms_per_token * s
-                   + kernel_fit.a_attn_ms_per_token2 * s * s)
+            fit = float(kernel_fit.time_ms(s))
             print(f"{s:>7} {ms:>12.2f} {fit:>9.2f} {fit / ms - 1:>+7.1%}")
         print(f"fit: overhead {kernel_fit.overhead_ms:.3f} ms, a_lin {kernel_fit.a_lin_ms_per_token:.3e} ms/token, "
               f"a_attn {kernel_fit.a_attn_ms_per_token2:.3e} ms/token^2, RMS relative error {cfit.rel_err:.1%}")

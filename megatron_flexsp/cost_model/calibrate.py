@@ -22,6 +22,12 @@ class ComputeFit:
     a_attn_ms_per_token2: float
     rel_err: float
 
+    def time_ms(self, tokens, group_size: int = 1):
+        """Fitted time (ms) of sequences of ``tokens`` (scalar or array): the fixed cost plus the
+        compute, split over ``group_size`` ranks (no communication)."""
+        s = np.asarray(tokens, dtype=np.float64)
+        return self.overhead_ms + (self.a_lin_ms_per_token * s + self.a_attn_ms_per_token2 * s * s) / group_size
+
 
 @dataclass(frozen=True)
 class AllToAllFit:
@@ -50,6 +56,11 @@ def _rel_err(pred: np.ndarray, y: np.ndarray) -> float:
     return float(np.sqrt(np.mean(((pred - y) / y) ** 2)))
 
 
+def _bandwidth_mib_per_ms(ms_per_byte: float) -> float:
+    """Bandwidth of a fitted per-byte slope; a zero slope (too fast to see) is floored at 1e-15."""
+    return 1.0 / (max(ms_per_byte, 1e-15) * 2 ** 20)
+
+
 def fit_compute(lengths, times_ms) -> ComputeFit:
     """Fit measured forward+backward times (ms) of single sequences of ``lengths`` tokens.
 
@@ -74,8 +85,7 @@ def fit_alltoall(group_size: int, nbytes, times_ms) -> AllToAllFit:
         raise ValueError(f"need at least 2 (bytes, time) points of equal count, got {len(b)} and {len(y)}")
     a = np.stack([np.ones_like(b), b], axis=1)
     c = _nonneg_lstsq(a, y, 1.0 / y)
-    per_byte = max(float(c[1]), 1e-15)
-    return AllToAllFit(group_size, float(c[0]), 1.0 / (per_byte * 2 ** 20), _rel_err(a @ c, y))
+    return AllToAllFit(group_size, float(c[0]), _bandwidth_mib_per_ms(float(c[1])), _rel_err(a @ c, y))
 
 
 def measured_profile(base: dict, *, hardware: str, gpus_per_node: int, model_name: str, shape: dict,
@@ -97,12 +107,9 @@ def measured_profile(base: dict, *, hardware: str, gpus_per_node: int, model_nam
     out["gpus_per_node"] = int(gpus_per_node)
     intra = [f for f in alltoall if f.group_size <= gpus_per_node]
     inter = [f for f in alltoall if f.group_size > gpus_per_node]
-    out["alltoall"] = {
-        "intra_node": [{"group_size": f.group_size, "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
-                        "latency_ms": f.latency_ms} for f in intra],
-        "inter_node": [{"group_size": f.group_size, "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
-                        "latency_ms": f.latency_ms} for f in inter],
-    }
+    out["alltoall"] = {name: [{"group_size": f.group_size, "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
+                               "latency_ms": f.latency_ms} for f in fits]
+                       for name, fits in (("intra_node", intra), ("inter_node", inter))}
     return _with_model(out, model_name, shape, compute, activation_bytes_per_token, alltoall)
 
 
@@ -135,10 +142,9 @@ def fit_group_excess(group_size: int, nbytes, excess_ms, calls: int) -> AllToAll
         raise ValueError(f"calls={calls} must be >= 1")
     a = np.stack([np.ones_like(b), b], axis=1)
     c = _nonneg_lstsq(a, y, np.ones_like(y))
-    per_byte = max(float(c[1]), 1e-15)
     scale = max(float(np.mean(np.abs(y))), 1e-12)
     err = float(np.sqrt(np.mean((a @ c - y) ** 2)) / scale)
-    return AllToAllFit(group_size, float(c[0]) / calls, 1.0 / (per_byte * 2 ** 20), err)
+    return AllToAllFit(group_size, float(c[0]) / calls, _bandwidth_mib_per_ms(float(c[1])), err)
 
 
 def with_dispatch(fit: ComputeFit, tokens, dispatch_ms) -> tuple[ComputeFit, float, float]:

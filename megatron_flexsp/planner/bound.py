@@ -61,13 +61,12 @@ class _StepLP:
         self.R = col((m - 1) * self.f_min, math.inf, 1.0)
         self.n = {d: col(0.0, float(n_gpus // d)) for d in sizes}
         self.nr = {d: col(0.0, float((m - 1) * (n_gpus // d))) for d in sizes}
-        self.x1, xr = {}, {}
         self.total1: dict[int, float] = {}   # column -> finish time alone (ms), for the T1 filter
         self.total_r: dict[int, float] = {}  # the same for the pooled micro-batches (R filter)
         area_idx, area_val, mem_idx, mem_val = [self.R], [-float(n_gpus)], [], []
         per_d = {d: ([], [], [], [], []) for d in sizes}  # time idx/val, mem idx/val, heavy idx
         per_r = {d: ([], [], [], [], []) for d in sizes}  # the same for the pooled micro-batches
-        for u, (members, single) in enumerate(units):
+        for members, single in units:
             tokens = float(tab.lens[members].sum())
             longest = int(tab.lens[members].max())
             lo = int(tab.lens[members].min())
@@ -76,29 +75,20 @@ class _StepLP:
                 if longest > tab.cap[d]:
                     continue
                 if single:
-                    t = float(tab.time[d][members[0]])
+                    alone = t = float(tab.time[d][members[0]])
                 else:  # fluid bucket at its shortest member's rate
-                    t = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo * tokens
-                c1 = col(0.0, 1.0)
-                self.x1[u, d] = c1
-                self.total1[c1] = float(tab.time[d][members].max() if single else
-                                        cm.seq_time_ms(np.array([lo]), d)[0]) + tab.fixed[d]
-                ti, tv, mi, mv, hv = per_d[d]
-                ti.append(c1), tv.append(t), mi.append(c1), mv.append(tokens)
-                if single and longest * 2 > tab.cap[d]:
-                    hv.append(c1)
-                if single:  # a sequence placed there needs at least one whole group
-                    rows.append((-math.inf, 0.0, [c1, self.n[d]], [1.0, -1.0]))
-                cr = col(0.0, 1.0)
-                xr[u, d] = cr
-                self.total_r[cr] = self.total1[c1]
+                    alone = float(cm.seq_time_ms(np.array([lo]), d)[0])
+                    t = alone / lo * tokens
+                c1, cr = col(0.0, 1.0), col(0.0, 1.0)  # micro-batch 1, the pooled others
+                for c, per, cnt in ((c1, per_d, self.n), (cr, per_r, self.nr)):
+                    ti, tv, mi, mv, hv = per[d]
+                    ti.append(c), tv.append(t), mi.append(c), mv.append(tokens)
+                    if single and longest * 2 > tab.cap[d]:
+                        hv.append(c)
+                    if single:  # a sequence placed there needs at least one whole group
+                        rows.append((-math.inf, 0.0, [c, cnt[d]], [1.0, -1.0]))
+                self.total1[c1] = self.total_r[cr] = alone + tab.fixed[d]
                 area_idx.append(cr), area_val.append(d * t)
-                ti, tv, mi, mv, hv = per_r[d]
-                ti.append(cr), tv.append(t), mi.append(cr), mv.append(tokens)
-                if single and longest * 2 > tab.cap[d]:
-                    hv.append(cr)
-                if single:
-                    rows.append((-math.inf, 0.0, [cr, self.nr[d]], [1.0, -1.0]))
                 mem_idx.append(cr), mem_val.append(tokens)
                 own.append((c1, cr, t + tab.fixed[d]))
             if not own:

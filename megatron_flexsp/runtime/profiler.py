@@ -2,8 +2,7 @@
 
 Collective helpers: every rank of the job calls them together, so ranks contend for the machine as
 they do in training. Times (ms) are medians over repeats of the median over groups of each group's
-slowest rank. No Megatron import;
-the fitting lives in :mod:`megatron_flexsp.cost_model.calibrate`.
+slowest rank. No Megatron import; the fitting lives in :mod:`megatron_flexsp.cost_model.calibrate`.
 """
 
 from __future__ import annotations
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from megatron_flexsp.model_spec import ModelSpec
+from megatron_flexsp.runtime.dispatch import dispatch
 from megatron_flexsp.runtime.layout import GroupLayout, build_group_layout, local_positions
 from megatron_flexsp.runtime.ulysses import ulysses_attention
 
@@ -193,10 +193,8 @@ def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend:
     layout = build_group_layout([length], d)
     local = len(local_positions([length], d, dist.get_rank(group)))
     tokens = torch.randint(0, vocab, (local,)).to(device)
-    with SavedTensorMeter(model.parameters()) as meter:
-        logits = model(tokens, group=group, layout=layout, backend=backend)
-        loss = F.cross_entropy(logits.float(), torch.roll(tokens, -1), reduction="sum")
-    loss.backward()
+    with SavedTensorMeter(model.parameters()) as meter:  # backward saves nothing more
+        step_loss(model, tokens, group=group, layout=layout, backend=backend)
     model.zero_grad(set_to_none=True)
     return meter.bytes / local
 
@@ -205,8 +203,6 @@ def time_dispatch(lengths: list[int], *, repeats: int, device: torch.device, pro
     """Time (ms) of the runtime's token dispatch for one micro-batch in which every rank receives one
     sequence of ``L`` tokens that another rank loaded, for each ``L`` (a per-micro-batch cost the
     cost model charges as part of each group's fixed cost and per-token rate)."""
-    from megatron_flexsp.runtime.dispatch import dispatch
-
     world, rank = dist.get_world_size(), dist.get_rank()
     out = []
     for length in lengths:

@@ -12,15 +12,12 @@ from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.sim import simulate
 from tests.unit.helpers import tiny_cost_model
-from tests.unit.test_planner import brute_force_step_ms
+from tests.unit.test_planner import small_instance
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_level_plan_and_lp_bound_bracket_the_optimum(seed):
-    rng = np.random.default_rng(seed)
-    cm = tiny_cost_model()
-    lens = rng.integers(5, 240, size=int(rng.integers(2, 6)))
-    opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+    cm, lens, opt = small_instance(seed)
     plan = plan_step(lens, cm, config=PlannerConfig(bound_lp_solves=400))
     validate_plan(plan)
     assert plan.method in ("level", "greedy") or plan.method.startswith("homogeneous")

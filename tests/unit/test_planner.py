@@ -55,12 +55,17 @@ def brute_force_step_ms(lens, cm):
                for part in _set_partitions(list(range(len(lens)))))
 
 
-@pytest.mark.parametrize("seed", range(8))
-def test_milp_matches_brute_force_on_small_instances(seed):
+def small_instance(seed: int):
+    """A random batch of 2-5 sequences on the tiny 4-GPU cluster: (cost model, lengths, optimum ms)."""
     rng = np.random.default_rng(seed)
     cm = tiny_cost_model()
     lens = rng.integers(5, 240, size=int(rng.integers(2, 6)))
-    opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+    return cm, lens, brute_force_step_ms(tuple(int(x) for x in lens), cm)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_milp_matches_brute_force_on_small_instances(seed):
+    cm, lens, opt = small_instance(seed)
     plan = plan_step(lens, cm, config=EXACT)
     validate_plan(plan)
     assert plan.lower_bound_ms <= opt * (1 + 1e-6)
