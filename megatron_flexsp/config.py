@@ -48,6 +48,7 @@ class PlannerConfig:
     node_slot_trigger: int = 2
     search: str = "level"
     bound_lp_solves: int = 150
+    time_budget_s: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_buckets < 1:
@@ -65,6 +66,8 @@ class PlannerConfig:
             raise ValueError(f"rel_gap={self.rel_gap} must be in [0, 1)")
         if self.search not in SEARCHES:
             raise ValueError(f"search={self.search!r} must be one of {SEARCHES}")
+        if not self.time_budget_s > 0:
+            raise ValueError(f"time_budget_s={self.time_budget_s} must be > 0 (seconds)")
         if self.bound_lp_solves < 0:
             raise ValueError(f"bound_lp_solves={self.bound_lp_solves} must be >= 0")
         if self.over_length not in OVER_LENGTH_POLICIES:

@@ -28,6 +28,7 @@ from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.bound import lp_step_bound
 from megatron_flexsp.planner.layout import Tables, improve_layout, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.search import Deadline, search_step
 from megatron_flexsp.planner.milp import MilpOptions, MilpResult, solve_step_milp
 from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
 from megatron_flexsp.utils.logging import get_logger
@@ -142,35 +143,31 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
     return SimpleBounds(max(H.min_micro_batches(tab) * f_min + area, fastest), f_min, area)
 
 
-def _level_plans(tab: Tables, cfg: PlannerConfig, upper_ms: float) -> list[tuple[float, str, list]]:
-    """Level-packing layouts for the memory-minimum micro-batch count and up to
-    ``cfg.max_extra_micro_batches`` more, each searched only while it could beat the best so far."""
-    packer = LevelPacker(tab)
-    items = np.arange(len(tab.lens))
-    m_min = H.min_micro_batches(tab)
-    out, best = [], upper_ms
-    for m in range(m_min, m_min + cfg.max_extra_micro_batches + 1):
-        if packer.lower_bound(items, m) >= best:
-            break
-        layout = packer.plan(items, m, upper_ms=best)
-        if layout is None:
-            continue
-        improve_layout(layout, tab)
-        ms = tab.step_ms(layout)
-        out.append((ms, "level", layout))
-        best = min(best, ms)
-    return out
-
-
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
+    deadline = Deadline(cfg.time_budget_s)
+    info: dict = {}
     candidates = []
+    t0 = time.perf_counter()
     homo = H.best_homogeneous(tab, tab.sizes)
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
+    info["homogeneous_time_s"] = time.perf_counter() - t0
     t0 = time.perf_counter()
-    candidates += _level_plans(tab, cfg, min((c[0] for c in candidates), default=math.inf))
-    level_time = time.perf_counter() - t0
-    if not any(name == "level" for _, name, _ in candidates):
+    packer = LevelPacker(tab)
+    found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
+                        upper_ms=min((c[0] for c in candidates), default=math.inf),
+                        deadline=_phase(deadline, cfg, 0.45))
+    found.sort(key=lambda c: c[0])
+    families: dict[str, float] = {}
+    for ms, name, _ in found:
+        families.setdefault(name, ms)
+    info["search_ms"] = families
+    local = _phase(deadline, cfg, 0.6)
+    for ms, name, layout in found[:2]:
+        improve_layout(layout, tab, deadline=local)
+        candidates.append((tab.step_ms(layout), name, layout))
+    info["search_time_s"] = time.perf_counter() - t0
+    if not any(name not in ("greedy",) and not name.startswith("homogeneous") for _, name, _ in candidates):
         greedy = H.greedy(tab)
         if greedy is not None:
             candidates.append((tab.step_ms(greedy), "greedy", greedy))
@@ -178,7 +175,6 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         raise ValueError("no memory-feasible plan exists for this batch")
     bounds = simple_bounds(tab)
     bound = bounds.base
-    info: dict = {"level_time_s": level_time}
     if cfg.search == "milp":
         bound = max(bound, _milp_search(tab, cfg, candidates, bounds, info))
     best_ms = min(c[0] for c in candidates)
@@ -189,9 +185,17 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
-    info["candidates_ms"] = {name: ms for ms, name, _ in candidates}
+    info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
+    info["time_s"] = deadline.elapsed()
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
+
+
+def _phase(deadline: Deadline, cfg: PlannerConfig, fraction: float) -> Deadline:
+    """A deadline at ``fraction`` of the planning budget (never after ``deadline``)."""
+    sub = Deadline(0.0)
+    sub.start, sub.end = deadline.start, min(deadline.end, deadline.start + fraction * cfg.time_budget_s)
+    return sub
 
 
 def _milp_search(tab: Tables, cfg: PlannerConfig, candidates: list, bounds: SimpleBounds,

@@ -6,6 +6,7 @@ layout. They are the baselines of the simulator and the fallbacks of the MILP pl
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -20,25 +21,53 @@ def min_micro_batches(tab: Tables) -> int:
 
 
 def homogeneous(tab: Tables, d: int, m: int, items=None) -> list[list[Group]] | None:
-    """All groups of size ``d`` (``num_gpus / d`` per micro-batch), ``m`` micro-batches, LPT packing."""
-    items = range(len(tab.lens)) if items is None else items
-    n = tab.cm.cluster.num_gpus
-    layout = [[Group(d) for _ in range(n // d)] for _ in range(m)]
-    if pack_lpt(items, [g for mb in layout for g in mb], tab):
-        return None
-    return layout
+    """All groups of size ``d`` (``num_gpus / d`` per micro-batch), ``m`` micro-batches: longest
+    sequence first onto the least-loaded group with memory room (LPT). None when one finds no room."""
+    items = np.arange(len(tab.lens)) if items is None else np.asarray(items)
+    per_mb = tab.cm.cluster.num_gpus // d
+    groups = [Group(d) for _ in range(m * per_mb)]
+    cap = tab.cap[d]
+    lens = tab.lens.tolist()
+    times = tab.time[d].tolist()
+    heap = [(0.0, k) for k in range(len(groups))]  # already a heap
+    for i in sorted(items.tolist(), key=lambda i: (-lens[i], i)):
+        popped = []
+        while heap:
+            load, k = heapq.heappop(heap)
+            g = groups[k]
+            if g.tokens + lens[i] <= cap:
+                g.seqs.append(i)
+                g.load_ms += times[i]
+                g.tokens += lens[i]
+                heapq.heappush(heap, (g.load_ms, k))
+                break
+            popped.append((load, k))
+        else:
+            return None
+        for item in popped:
+            heapq.heappush(heap, item)
+    return [groups[j * per_mb:(j + 1) * per_mb] for j in range(m)]
 
 
 def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3):
-    """Best (step time) homogeneous layout over ``sizes`` and micro-batch counts; (layout, d) or None."""
+    """Best (step time) homogeneous layout over ``sizes`` and micro-batch counts; (layout, d) or None.
+
+    Per size, micro-batch counts from the memory minimum up, until ``extra_micro_batches`` counts in
+    a row do not improve; a (size, count) whose lower bound (fixed costs plus GPU-time over N, or the
+    longest sequence) cannot beat the best so far is skipped without packing."""
     best, best_ms, best_d = None, math.inf, 0
     m0 = min_micro_batches(tab)
     longest = int(tab.lens.max())
-    for d in sizes:
-        if longest > tab.cap[d]:
-            continue
+    n_gpus = tab.cm.cluster.num_gpus
+    order = sorted((d for d in sizes if longest <= tab.cap[d]),
+                   key=lambda d: float(tab.time[d].sum()) * d)  # least GPU-time first
+    for d in order:
+        work = float(tab.time[d].sum()) * d / n_gpus
+        alone = float(tab.time[d].max()) + tab.fixed[d]
         misses = 0
         for m in range(m0, m0 + 64):
+            if max(m * tab.fixed[d] + work, alone + (m - 1) * tab.fixed[d]) >= best_ms:
+                break
             layout = homogeneous(tab, d, m)
             if layout is None:
                 continue

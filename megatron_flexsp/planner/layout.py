@@ -161,12 +161,18 @@ def pack_lpt(items, groups: list[Group], tab: Tables) -> list[int]:
     return left
 
 
-def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400) -> None:
+def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400, deadline=None,
+                   sources: int = 8, items_per_group: int = 6, targets: int = 4) -> None:
     """Local search: move sequences off the slowest group of a micro-batch while the step time drops.
 
-    A sequence may move to the least-loaded fitting group of any (micro-batch, size) class; the
-    move with the largest step-time reduction is applied first. Each move strictly lowers the step
-    time, so this terminates. Empty groups and micro-batches are removed.
+    Each round looks at the ``sources`` micro-batches whose slowest group stands out most above
+    their next slowest, the ``items_per_group`` longest-running sequences of that group, and as
+    destinations the least-loaded fitting group of every (micro-batch, size) class of the same
+    micro-batch and of the ``targets`` micro-batches with the shortest makespan; the move with the
+    largest step-time reduction is applied. Each move strictly lowers the step time, so this
+    terminates; ``deadline`` (an object with ``expired()``) stops it early. A round costs
+    O(sources x items x classes) whatever the number of micro-batches. Empty groups and micro-batches
+    are removed.
     """
     for mb in layout:
         mb[:] = [g for g in mb if g.seqs]
@@ -175,16 +181,27 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400)
     for j, mb in enumerate(layout):
         for g in mb:
             index.add(j, g)
-    keys = sorted(index.classes())
+    sizes = sorted(tab.sizes)
     spans = [tab.mb_ms(mb) for mb in layout]
     for _ in range(max_moves):
-        best = None  # (gain, item, from_group, to_group, from_mb, to_mb)
+        if deadline is not None and deadline.expired():
+            break
+        heads = []
         for a, mb in enumerate(layout):
             if not mb:
                 continue
+            ends = sorted((tab.finish(g) for g in mb), reverse=True)
+            heads.append((ends[0] - (ends[1] if len(ends) > 1 else 0.0), a))
+        heads.sort(reverse=True)
+        light = sorted(range(len(layout)), key=lambda b: (spans[b], b))[:targets]
+        best = None  # (gain, item, from_group, to_group, from_mb, to_mb)
+        for _, a in heads[:sources]:
+            mb = layout[a]
             slow = max(mb, key=lambda g: (tab.finish(g), -g.size))
             others_a = max((tab.finish(g) for g in mb if g is not slow), default=0.0)
-            for i in sorted(slow.seqs, key=lambda i: -float(tab.time[slow.size][i])):
+            moved = sorted(slow.seqs, key=lambda i: -float(tab.time[slow.size][i]))[:items_per_group]
+            keys = [(b, d) for b in dict.fromkeys([a] + light) for d in sizes]
+            for i in moved:
                 rest = tab.finish(slow) - float(tab.time[slow.size][i]) if len(slow.seqs) > 1 else 0.0
                 new_a = max(others_a, rest)
                 for key in keys:

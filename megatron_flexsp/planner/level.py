@@ -1,20 +1,15 @@
-"""Level packing: a fast planner that searches micro-batch makespans instead of branching.
+"""Level packing of one micro-batch: pack its sequences within a makespan instead of branching.
 
 For a micro-batch and a *level* ``T`` (its makespan, fixed costs included), every sequence takes the
 group size with the least GPU-time (size x time) among those that hold it in memory and finish it
 within ``T``; each size's sequences are then packed longest first onto as few groups as hold them
 within ``T`` and their memory. The micro-batch is feasible at ``T`` when those groups need at most N
 GPUs (when memory is tight, the stuffing order below, which also uses other sizes' spare room, gets
-a try); its makespan is the smallest feasible ``T`` (bisection).
+a try); its makespan is the smallest feasible ``T`` (bisection, :meth:`LevelPacker.min_level`).
 
-For the step, micro-batch 1 is *stuffed* at a level ``T1``: sequences in decreasing order of their
-fastest possible time go into it while they fit; the rest is planned the same way with one
-micro-batch fewer. ``T1`` runs over a geometric grid above the longest sequence's fastest time plus
-the finish times of the hardest sequences on every size (where their cheapest size changes). The
-result is then improved by the shared local search. No solver: O(levels x bisection x n log n).
-On 20 Wikipedia batches at 64 GPUs (GPT-7B paper profile) a grid of 6 levels 8% apart and the 4
-hardest sequences gave step times within 0.01% of a grid of 16 levels 2% apart and the 8 hardest,
-in half the time.
+*Stuffing* (:meth:`LevelPacker.stuff`) fills one micro-batch at a level with as much work as fits,
+hardest sequences first, and returns what is left: the step search (:mod:`planner.search`) builds
+whole layouts from these two operations. No solver; one packing is O(n log n).
 """
 
 from __future__ import annotations
@@ -43,6 +38,7 @@ class LevelPacker:
         self.total = self.time + self.fixed[:, None]                       # alone in a group
         self.gpu_time = self.time * self.sizes[:, None]
         self.critical = tab.critical_ms()                                  # fastest finish (ms)
+        self.gpu_time_min = np.where(self.ok, self.gpu_time, np.inf).min(axis=0)  # cheapest GPU-time
         self.n_gpus = tab.cm.cluster.num_gpus
         self.f_min = float(self.fixed.min())
         order = np.argsort(self.gpu_time, axis=0, kind="stable")       # cheapest size first
@@ -59,7 +55,7 @@ class LevelPacker:
         the smallest fixed cost; the longest item's fastest finish and the least GPU-time over N."""
         if len(items) == 0:
             return 0.0
-        gt = float(np.where(self.ok[:, items], self.gpu_time[:, items], np.inf).min(axis=0).sum())
+        gt = float(self.gpu_time_min[items].sum())
         return max(float(self.critical[items].max()) + (m - 1) * self.f_min,
                    m * self.f_min + gt / self.n_gpus)
 
@@ -133,6 +129,8 @@ class LevelPacker:
             return None  # more tokens than one micro-batch holds, at any level
         lo = self.lower_bound(items, 1)
         fast = self._bisect(items, lo, hi, rel_tol, self._pack_fast)
+        if fast is not None and fast[0] <= lo * (1 + 4 * rel_tol):
+            return fast  # at the lower bound already: nothing to gain
         stuffed = self._bisect(items, lo, fast[0] if fast else hi, 4 * rel_tol, self._pack_stuffed,
                                max_probes=4)
         found = [f for f in (fast, stuffed) if f is not None]
@@ -153,13 +151,14 @@ class LevelPacker:
         best = pack(items, lo)
         if best is not None:
             return lo, best
-        hi = hi if hi is not None and hi > lo else 2.0 * lo
+        hi = hi if hi is not None and hi > lo else 1.2 * lo
         found = pack(items, hi)
         grow = 0
-        while found is None:
-            if grow > 8:
+        while found is None:  # grow the bracket by 1.2, 1.44, 1.73, ... (up to 2^9 in all)
+            if grow > 12:
                 return None
-            lo, hi, grow = hi, hi * 2.0, grow + 1
+            grow += 1
+            lo, hi = hi, hi * 1.2 ** grow
             found = pack(items, hi)
         probes = 0
         while hi - lo > rel_tol * hi and probes < max_probes:
@@ -181,7 +180,7 @@ class LevelPacker:
         room, else opens a group of that size while GPUs remain, else tries the next sizes.
         """
         tab = self.tab
-        lens, cap = self.lens_l, tab.cap
+        lens, cap, lens_min = self.lens_l, tab.cap, tab.lens
         order = items[np.argsort(-self.critical[items], kind="stable")].tolist()
         # per size: groups by load (least first) and, once one refused an item for memory, by free
         # tokens (most first); each group leaves the load heap at most once, so this is O(n log n)
@@ -191,8 +190,10 @@ class LevelPacker:
         free = self.n_gpus
         left = []
         refused = 0
+        token_room = free * tab.cm.capacity_tokens  # tokens the micro-batch can still take
+        shortest = int(lens_min[items].min()) if len(items) else 0
         for pos, i in enumerate(order):
-            if refused >= _FULL_AFTER and free == 0:
+            if (refused >= _FULL_AFTER and free == 0) or token_room < shortest:
                 left += order[pos:]
                 break
             tot, tim = self.total_l[i], self.time_l[i]
@@ -235,49 +236,5 @@ class LevelPacker:
                 refused += 1
             else:
                 refused = 0
+                token_room -= lens[i]
         return made, np.array(left, dtype=np.int64)
-
-    def levels(self, items: np.ndarray, grid: int, step: float, hardest: int = 4) -> list[float]:
-        """Candidate levels for the fullest micro-batch: a geometric grid above the longest item's
-        fastest finish, plus every size's finish time of the ``hardest`` items (where the cheapest
-        size of a long sequence changes)."""
-        lo = float(self.critical[items].max())
-        top = items[np.argsort(-self.critical[items], kind="stable")[:hardest]]
-        times = self.total[:, top][self.ok[:, top]]
-        cand = set(lo * (1.0 + step) ** k for k in range(grid)) | {float(t) for t in times if t >= lo}
-        return sorted(cand)
-
-    def plan(self, items: np.ndarray, m: int, grid: int = 6, step: float = 0.08,
-             upper_ms: float = math.inf, hardest: int = 4) -> list[list[Group]] | None:
-        """Best layout of ``items`` in at most ``m`` micro-batches found by level stuffing, or None
-        when none is found below ``upper_ms``. Levels whose lower bound cannot beat the best layout
-        so far are skipped without packing."""
-        if len(items) == 0:
-            return []
-        if m <= 1:
-            found = self.min_level(items)
-            return None if found is None or found[0] >= upper_ms else [found[1]]
-        best, best_ms = None, upper_ms
-        hint = None
-        for level in self.levels(items, grid, step, hardest=hardest):
-            if level + (m - 1) * self.f_min >= best_ms:
-                break
-            mb, left = self.stuff(items, level)
-            if level + self.lower_bound(left, m - 1) >= best_ms:
-                continue
-            if m == 2:
-                found = self.min_level(left, hi=hint) if len(left) else (0.0, [])
-                if found is None:
-                    continue
-                hint = found[0]
-                rest = [found[1]] if found[1] else []
-            else:
-                rest = self.plan(left, m - 1, grid=max(3, grid // 2), step=step,
-                                 upper_ms=best_ms - level)
-                if rest is None:
-                    continue
-            layout = [mb] + rest
-            ms = self.tab.step_ms(layout)
-            if ms < best_ms - 1e-9:
-                best, best_ms = layout, ms
-        return best

@@ -1,0 +1,255 @@
+"""The fast step search: micro-batches from common levels and a balanced split, in polynomial time.
+
+Three families of candidate layouts, each built from the one-micro-batch packing of
+:class:`~megatron_flexsp.planner.level.LevelPacker` (nothing branches per micro-batch):
+
+* **common level** ``T``: micro-batches are stuffed one after another, hardest sequences first, each
+  at the level ``max(T, fastest finish of its hardest remaining sequence)``; ``T`` runs over a
+  geometric grid and is then refined around the best point. In good plans every micro-batch but
+  the last has about the same makespan, which is what one common level gives.
+* **balanced split** into ``m`` micro-batches: sequences heaviest first (least GPU-time over the sizes
+  that hold them) to the lightest micro-batch with token room, then each micro-batch packed at its
+  smallest level (bisection). This mixes long and short sequences in every micro-batch, so memory
+  and time fill together when memory sets the micro-batch count.
+* **stuffed first, split rest**: the first micro-batch stuffed at a level ``T1`` from a small grid
+  above the longest sequence's fastest finish, the rest split as above into ``m - 1``.
+
+Costs: a common level is O(n log n) per level, a split O(n log m) plus one bisection (about 15
+packings) per micro-batch; levels are searched on a fixed grid, so the total is polynomial in
+sequences, micro-batches and group sizes. Every loop checks the :class:`Deadline`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+
+from megatron_flexsp.planner.layout import Group, Tables
+from megatron_flexsp.planner.level import LevelPacker
+
+Layout = list[list[Group]]
+
+
+class Deadline:
+    """A wall-clock deadline ``seconds`` from now (``math.inf``: none)."""
+
+    def __init__(self, seconds: float = math.inf) -> None:
+        self.start = time.perf_counter()
+        self.end = self.start + seconds
+
+    def left(self) -> float:
+        """Seconds left (negative once passed)."""
+        return self.end - time.perf_counter()
+
+    def expired(self) -> bool:
+        return time.perf_counter() >= self.end
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+
+def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: int) -> Layout | None:
+    """Micro-batches stuffed one after another at ``max(level, hardest remaining fastest finish)``;
+    None when more than ``max_mbs`` would be needed."""
+    layout: Layout = []
+    left = items
+    while len(left):
+        if len(layout) >= max_mbs:
+            return None
+        groups, left = packer.stuff(left, max(level, float(packer.critical[left].max())))
+        if not groups:
+            return None
+        layout.append(groups)
+    return layout
+
+
+def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -> list[np.ndarray] | None:
+    """``items`` into ``m`` micro-batches: heaviest first to the lightest with token room (one
+    micro-batch holds ``N x C`` tokens); None when some sequence finds no room."""
+    cap = tab.cm.capacity_tokens * tab.cm.cluster.num_gpus
+    order = items[np.argsort(-weight[items], kind="stable")]
+    lens = tab.lens
+    load = np.zeros(m)
+    tokens = np.zeros(m, dtype=np.int64)
+    out: list[list[int]] = [[] for _ in range(m)]
+    for i in order.tolist():
+        room = tokens + lens[i] <= cap
+        if not room.any():
+            return None
+        j = int(np.argmin(np.where(room, load, np.inf)))
+        out[j].append(i)
+        load[j] += weight[i]
+        tokens[j] += lens[i]
+    return [np.array(x, dtype=np.int64) for x in out if x]
+
+
+def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline) -> Layout | None:
+    """Each part as one micro-batch at its smallest level. A part that does not pack (its groups'
+    memory fragments) keeps its hardest sequences up to a shrinking share of the micro-batch's tokens;
+    what it sheds goes into extra micro-batches at the common level of the others. None when the
+    deadline passes."""
+    layout: Layout = []
+    spill: list[np.ndarray] = []
+    cap = packer.tab.cm.capacity_tokens * packer.n_gpus
+    lens = packer.tab.lens
+    for part in parts:
+        if deadline.expired():
+            return None
+        found = packer.min_level(part, rel_tol=1e-2)
+        if found is None:
+            order = part[np.argsort(-packer.critical[part], kind="stable")]
+            room = np.cumsum(lens[order])
+            for share in (0.95, 0.9, 0.8, 0.65, 0.5):
+                keep = order[room <= share * cap]
+                found = packer.min_level(keep, rel_tol=1e-2) if len(keep) else None
+                if found is not None:
+                    spill.append(order[len(keep):])
+                    break
+            if found is None:
+                return None
+        layout.append(found[1])
+    if spill:
+        level = float(np.median([packer.tab.mb_ms(mb) for mb in layout])) if layout else 0.0
+        extra = common_level(packer, np.concatenate(spill), level, 4 * len(parts) + 4)
+        if extra is None:
+            return None
+        layout += extra
+    return layout
+
+
+def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline) -> Layout | None:
+    """:func:`balanced_split` into ``m`` micro-batches, then :func:`pack_each`."""
+    parts = balanced_split(packer.tab, items, m, packer.gpu_time_min)
+    return pack_each(packer, parts, deadline) if parts is not None else None
+
+
+def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, around: int = 0,
+               prefix_ms: float = 0.0, upper_ms: float = math.inf) -> tuple[float, int, Layout | None]:
+    """The best :func:`split_pack` over micro-batch counts: from the memory minimum (or ``around``,
+    when given, and its neighbours) upwards in growing steps while it improves, then the neighbours
+    of the best count. Returns (step ms including ``prefix_ms``, count, layout)."""
+    tab = packer.tab
+    if not len(items):
+        return prefix_ms, 0, []
+    m_lo = max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * packer.n_gpus)))
+    area = float(packer.gpu_time_min[items].sum()) / packer.n_gpus
+    seen: dict[int, tuple[float, Layout | None]] = {}
+
+    def evaluate(m: int) -> float:
+        if m < m_lo or m in seen:
+            return seen[m][0] if m in seen else math.inf
+        if deadline.expired() or prefix_ms + m * packer.f_min + area >= upper_ms:
+            seen[m] = (math.inf, None)
+            return math.inf
+        layout = split_pack(packer, items, m, deadline)
+        seen[m] = (prefix_ms + tab.step_ms(layout) if layout is not None else math.inf, layout)
+        return seen[m][0]
+
+    if around:
+        for m in (around - 1, around, around + 1):
+            evaluate(m)
+    else:
+        step, m, worse = 1, m_lo, 0
+        while worse < 2 and not deadline.expired():
+            before = min((v[0] for v in seen.values()), default=math.inf)
+            if evaluate(m) >= before:
+                worse += 1
+            else:
+                worse = 0
+            m, step = m + step, step * 2
+    if not seen:
+        return math.inf, 0, None
+    best = min(seen, key=lambda k: seen[k][0])
+    for m in (best - 1, best + 1, best - 2, best + 2):
+        evaluate(m)
+    best = min(seen, key=lambda k: seen[k][0])
+    return seen[best][0], best, seen[best][1]
+
+
+def level_grid(lo: float, hi: float, points: int) -> list[float]:
+    """``points`` levels spaced geometrically from ``lo`` to ``hi``."""
+    if hi <= lo * (1 + 1e-9) or points < 2:
+        return [lo]
+    return [lo * (hi / lo) ** (k / (points - 1)) for k in range(points)]
+
+
+def first_levels(packer: LevelPacker, items: np.ndarray, lo: float, hi: float, grid: int = 5,
+                 hardest: int = 4) -> list[float]:
+    """Levels for a stuffed first micro-batch: a geometric grid from ``lo`` to ``hi`` plus every
+    size's finish time of the ``hardest`` sequences within it (where their cheapest size changes)."""
+    top = items[np.argsort(-packer.critical[items], kind="stable")[:hardest]]
+    times = packer.total[:, top][packer.ok[:, top]]
+    return sorted(set(level_grid(lo, hi, grid)) | {float(t) for t in times if t >= lo})
+
+
+def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float, deadline: Deadline,
+                grid: int = 8) -> list[tuple[float, str, Layout]]:
+    """Candidate layouts of the whole batch (see the module docstring), each with its step time
+    (ms) and family name; only those faster than ``upper_ms``. Cheapest families first, so a short
+    deadline still leaves the common levels."""
+    n_gpus = tab.cm.cluster.num_gpus
+    items = np.arange(len(tab.lens))
+    f_min = packer.f_min
+    area = float(packer.gpu_time_min.sum())
+    crit = float(packer.critical.max())
+    out: list[tuple[float, str, Layout]] = []
+    best = upper_ms
+
+    def keep(layout: Layout | None, name: str) -> None:
+        nonlocal best
+        if layout is None:
+            return
+        ms = tab.step_ms(layout)
+        if ms < upper_ms:
+            out.append((ms, name, layout))
+            best = min(best, ms)
+
+    # 1. common level: from the level of 1.4x the memory minimum of balanced micro-batches to the
+    #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
+    lo = f_min + area / (n_gpus * (1.4 * m_min + 2))
+    hi = max(crit, f_min + area / (n_gpus * m_min)) * 1.25
+    tried: dict[float, float] = {}
+    cap_mbs = 4 * m_min + 8
+    for level in level_grid(lo, hi, grid):
+        if deadline.expired():
+            break
+        layout = common_level(packer, items, level, cap_mbs)
+        tried[level] = tab.step_ms(layout) if layout is not None else math.inf
+        keep(layout, "level")
+    if tried and math.isfinite(min(tried.values())):  # refine around the best grid point
+        levels = sorted(tried)
+        k = min(range(len(levels)), key=lambda j: tried[levels[j]])
+        a, b = levels[max(k - 1, 0)], levels[min(k + 1, len(levels) - 1)]
+        for level in level_grid(a, b, 6)[1:-1]:
+            if deadline.expired():
+                break
+            keep(common_level(packer, items, level, cap_mbs), "level")
+    # 2. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
+    #    rest split at its memory minimum (one more when that does not pack); the levels are tried
+    #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound)
+    firsts = []
+    for t1 in first_levels(packer, items, crit, max(crit, 2 * (f_min + area / (n_gpus * m_min)))):
+        if deadline.expired():
+            break
+        first, left = packer.stuff(items, t1)
+        if not first or not len(left):
+            continue
+        m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / (tab.cm.capacity_tokens * n_gpus)))
+        estimate = tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
+        firsts.append((estimate, t1, first, left, m_rest))
+    for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
+        if deadline.expired():
+            break
+        if estimate >= best:
+            continue
+        for m in (m_rest, m_rest + 1):
+            rest = split_pack(packer, left, m, deadline)
+            if rest is not None:
+                keep([first] + rest, "stuffed+split")
+                break
+    # 3. balanced split over micro-batch counts
+    _, _, layout = best_split(packer, items, deadline, upper_ms=best)
+    keep(layout, "split")
+    return out
