@@ -27,10 +27,13 @@ class PlannerConfig:
     node_slot_trigger: when at least this many long sequences need half a node or more, the step
         MILP also gives node-sized groups explicit slots: on 20 Wikipedia batches at 64 GPUs the worst
         gap fell from 11.2% to 4.0% and planning took about 2x longer. A large value turns it off.
-    search: "level" (level packing, :mod:`planner.level`; fast) or "milp" (level packing, then the
-        step MILP warm-started from it: exact on small instances, seconds at 64 GPUs).
+    search: "milp" (the default: the fast search, then HiGHS MILPs warm-started from its plan on the
+        time left, :mod:`planner.exact`) or "level" (the fast search only, :mod:`planner.search`).
     bound_lp_solves: LP solves spent on the lower bound (:mod:`planner.bound`); 0 keeps the simple
         bound only. The bound never changes the plan, only the reported gap.
+    time_budget_s: wall-clock budget of one flexsp plan (seconds, one core). The best homogeneous
+        plan and the fast search always complete; the local search, the LP bound and the MILPs
+        share the rest and stop at the deadline with the best plan and the bound reached.
     over_length: what to do with a sequence longer than the cluster holds: "error", "truncate", "drop".
     """
 
@@ -46,7 +49,7 @@ class PlannerConfig:
     slot_min_size: int = 4
     refine_node_limit: int = 50
     node_slot_trigger: int = 2
-    search: str = "level"
+    search: str = "milp"
     bound_lp_solves: int = 150
     time_budget_s: float = 1.0
 

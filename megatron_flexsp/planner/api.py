@@ -5,11 +5,12 @@ Strategies (same harness, same cost model, same packing helpers):
 * ``static``: one fixed group size for the whole run -- the smallest that holds ``max_seq_len``, as
   a Megatron-CP / DeepSpeed-Ulysses user must choose it -- with the best micro-batch count;
 * ``batchada``: the best single group size for this batch;
-* ``megatron-dcp``: Megatron's dynamic-context-parallel greedy;
-* ``flexsp``: level packing (:mod:`level`), never worse than the best homogeneous plan, with a
-  valid lower bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batch's
-  makespan) and its gap; ``search="milp"`` adds the step MILP (HiGHS) warm-started from it, for an
-  exact optimum on small instances and its dual bound.
+* ``megatron-dcp``: Megatron's dynamic-context-parallel greedy (as described for its dev branch);
+* ``flexsp``: anytime planning within ``PlannerConfig.time_budget_s``: the best homogeneous plan
+  (never worse than it), the polynomial step search of :mod:`search` and its local search, a valid
+  lower bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batch's makespan), then
+  with ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
+  plan on the time left: they improve it or prove it, and their dual bound tightens the gap.
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from megatron_flexsp.config import STRATEGIES, PlannerConfig
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
-from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.bound import lp_step_bound
+from megatron_flexsp.planner.exact import milp_phase
 from megatron_flexsp.planner.layout import Tables, improve_layout, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
-from megatron_flexsp.planner.milp import MilpOptions, MilpResult, solve_step_milp
-from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -144,15 +143,15 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
+    """Anytime FlexSP planning within ``cfg.time_budget_s``: the best homogeneous plan, the fast
+    search and its local search, the LP bound, then the MILPs (``search="milp"``) on what is left."""
     deadline = Deadline(cfg.time_budget_s)
     info: dict = {}
     candidates = []
-    t0 = time.perf_counter()
     homo = H.best_homogeneous(tab, tab.sizes)
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
-    info["homogeneous_time_s"] = time.perf_counter() - t0
-    t0 = time.perf_counter()
+    info["homogeneous_time_s"] = deadline.elapsed()
     packer = LevelPacker(tab)
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
@@ -166,8 +165,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     for ms, name, layout in found[:2]:
         improve_layout(layout, tab, deadline=local)
         candidates.append((tab.step_ms(layout), name, layout))
-    info["search_time_s"] = time.perf_counter() - t0
-    if not any(name not in ("greedy",) and not name.startswith("homogeneous") for _, name, _ in candidates):
+    info["search_time_s"] = deadline.elapsed() - info["homogeneous_time_s"]
+    if not candidates:
         greedy = H.greedy(tab)
         if greedy is not None:
             candidates.append((tab.step_ms(greedy), "greedy", greedy))
@@ -175,15 +174,17 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         raise ValueError("no memory-feasible plan exists for this batch")
     bounds = simple_bounds(tab)
     bound = bounds.base
-    if cfg.search == "milp":
-        bound = max(bound, _milp_search(tab, cfg, candidates, bounds, info))
     best_ms = min(c[0] for c in candidates)
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
-                           max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap)
+                           max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
+                           deadline=_phase(deadline, cfg, 0.75))
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
+    if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
+        bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
+                                      _phase(deadline, cfg, 0.95)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
@@ -196,84 +197,6 @@ def _phase(deadline: Deadline, cfg: PlannerConfig, fraction: float) -> Deadline:
     sub = Deadline(0.0)
     sub.start, sub.end = deadline.start, min(deadline.end, deadline.start + fraction * cfg.time_budget_s)
     return sub
-
-
-def _milp_search(tab: Tables, cfg: PlannerConfig, candidates: list, bounds: SimpleBounds,
-                 info: dict) -> float:
-    """The step MILP (HiGHS) with iterative deepening over the micro-batch count, warm-started from
-    the best candidate; appends its realized layouts to ``candidates``, returns its valid bound."""
-    m_min = H.min_micro_batches(tab)
-    longs, rest = select_long(tab, fraction=cfg.long_fraction, max_long=cfg.max_long)
-    cm = tab.cm
-    buckets = make_buckets(tab.lens, rest, num_buckets=cfg.num_buckets,
-                           a_attn=cm.coeffs.a_attn_ms_per_token2, a_lin=cm.coeffs.a_lin_ms_per_token,
-                           cuts=bucket_cuts(tab))
-    # Several sequences that need half a node or more pack badly in an aggregated class: give the
-    # node size explicit slots in phase A too when that happens (better plans and bounds, ~2x time).
-    gpn = tab.cm.cluster.gpus_per_node
-    big = sum(1 for i in longs if tab.min_size[i] * 2 >= gpn)
-    phase_a = MilpOptions(cfg.time_limit_s, cfg.node_limit, cfg.rel_gap, cfg.seed,
-                          slot_min_size=gpn if big >= cfg.node_slot_trigger else 2 * gpn)
-    # Iterative deepening over the micro-batch count: solve with at most m_max micro-batches, and
-    # allow one more only while plans with more could still beat the best plan found.
-    m_max, milp_time, refine_time, refined = m_min, 0.0, 0.0, None
-    while True:
-        inc_ms, _, inc = min(candidates, key=lambda c: c[0])
-        res = solve_step_milp(tab, longs, buckets, m_max=m_max, upper_ms=inc_ms * (1 + 1e-6),
-                              warm=inc if len(inc) <= m_max else None, options=phase_a)
-        milp_time += res.solve_time_s
-        if res.counts:
-            refined = refine_micro_batches(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6),
-                                           cfg=cfg)
-            refine_time += refined.solve_time_s
-            for name, sol in (("milp", res), ("milp-refined", refined)):
-                for use_quota in (True, False) if sol.counts else ():
-                    layout = realize(sol, tab, buckets, use_quota=use_quota)
-                    candidates.insert(0, (tab.step_ms(layout), name, layout))
-        best_ms = min(c[0] for c in candidates)
-        if bounds.tail(m_max) >= best_ms or m_max >= m_min + cfg.max_extra_micro_batches:
-            break
-        m_max += 1
-    bound = bounds.base
-    if math.isfinite(res.dual_bound_ms):
-        bound = max(bound, min(res.dual_bound_ms, bounds.tail(m_max)))
-    info.update({"milp_status": res.status, "milp_nodes": res.nodes, "milp_time_s": milp_time,
-                 "refine_time_s": refine_time, "refine_status": refined.status if refined else "",
-                 "milp_objective_ms": res.objective_ms, "milp_dual_bound_ms": res.dual_bound_ms,
-                 "m_max": m_max, "num_long": len(longs), "num_buckets": len(buckets.members),
-                 "bucketing_error": buckets.error})
-    return bound
-
-
-def refine_micro_batches(res: MilpResult, tab: Tables, longs: list[int], buckets, *, upper_ms: float,
-                         cfg: PlannerConfig) -> MilpResult:
-    """Phase B: re-solve each micro-batch of the step MILP alone with explicit groups for every size
-    of at least ``cfg.slot_min_size`` GPUs, keeping its long sequences and bucket token shares."""
-    out = MilpResult([], {}, {}, [], 0.0, 0.0, "", 0, 0.0)
-    options = MilpOptions(cfg.time_limit_s, cfg.refine_node_limit, cfg.rel_gap, cfg.seed,
-                          slot_min_size=cfg.slot_min_size, restrict_to_slots=True)
-    statuses = []
-    used = sorted({j for j, _, _ in res.long_at.values()} | {j for _, j, _ in res.tokens})
-    for j in used:
-        mine = [i for i in longs if res.long_at.get(i, (-1,))[0] == j]
-        shares = [sum(v for (k, jj, _), v in res.tokens.items() if k == kk and jj == j)
-                  for kk in range(len(buckets.members))]
-        r = solve_step_milp(tab, mine, buckets, m_max=1, upper_ms=upper_ms, warm=None,
-                            options=options, bucket_tokens=shares, m_min=1)
-        if not r.counts:
-            return MilpResult([], {}, {}, [], math.inf, 0.0, r.status, out.nodes + r.nodes,
-                              out.solve_time_s + r.solve_time_s)
-        jj = len(out.counts)
-        out.counts.append(r.counts[0])
-        out.makespans.append(r.makespans[0])
-        out.long_at.update({i: (jj, d, s) for i, (_, d, s) in r.long_at.items()})
-        out.tokens.update({(k, jj, d): v for (k, _, d), v in r.tokens.items()})
-        out.objective_ms += r.objective_ms
-        out.nodes += r.nodes
-        out.solve_time_s += r.solve_time_s
-        statuses.append(r.status)
-    out.status = ",".join(sorted(set(statuses)))
-    return out
 
 
 def _remap(plan: StepPlan, kept: np.ndarray, fix: LengthFix, original: np.ndarray) -> StepPlan:

@@ -30,6 +30,13 @@ from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _quiet_stdout
+from megatron_flexsp.utils.logging import get_logger
+
+log = get_logger(__name__)
+
+
+class SolverTrouble(RuntimeError):
+    """HiGHS ended an LP of the bound with a status that proves neither optimality nor infeasibility."""
 
 
 @dataclass(frozen=True)
@@ -160,18 +167,25 @@ class _StepLP:
         h.changeColBounds(self.R, r_lo, r_hi)
         h.run()
         self.solves += 1
-        if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kOptimal:
+            return float(h.getInfo().objective_function_value)
+        if status == highspy.HighsModelStatus.kInfeasible:
             return math.inf
-        return float(h.getInfo().objective_function_value)
+        # anything else (a limit, numerical trouble, unboundedness) proves nothing: never read it
+        # as "infeasible", which would raise the bound without proof
+        raise SolverTrouble(f"LP bound: HiGHS returned {h.modelStatusToString(status)!r} "
+                            f"(m={self.m}, T1={t1:.1f} ms, R cap={r_cap:.1f} ms)")
 
-    def least_rest(self, t1: float, r_cap: float, rel_tol: float) -> float:
+    def least_rest(self, t1: float, r_cap: float, rel_tol: float, deadline=None) -> float:
         """Valid lower bound on ``R`` for plans with ``T1 <= t1`` and ``R <= r_cap`` (``r_cap`` when
-        there is none): bisection on the cap, each feasible probe also raising the floor."""
+        there is none): bisection on the cap, each feasible probe also raising the floor; stopping
+        early (``deadline``) returns the floor reached, still valid."""
         v = self.solve(t1, r_cap)
         if v == math.inf:
             return r_cap
         lo, hi = v, r_cap
-        while hi - lo > rel_tol * hi:
+        while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
             mid = 0.5 * (lo + hi)
             v = self.solve(t1, mid)
             if v == math.inf:
@@ -195,12 +209,14 @@ def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> 
 
 
 def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: float = 0.002,
-               max_solves: int = 200, units: list[tuple[np.ndarray, bool]] | None = None) -> BoundResult:
+               max_solves: int = 200, units: list[tuple[np.ndarray, bool]] | None = None,
+               deadline=None) -> BoundResult:
     """Lower bound on the step time of plans with exactly ``m`` micro-batches.
 
     ``target_ms``: stop once the bound reaches it (e.g. the best plan's time); ``t1_lo``: a valid
     lower bound on the slowest micro-batch (e.g. the longest sequence's fastest finish); ``units``:
-    :func:`bound_units` (computed when not given).
+    :func:`bound_units` (computed when not given); ``deadline`` (with ``expired()``) stops the
+    search early with the bound reached so far (still valid).
     """
     units = units if units is not None else bound_units(tab)
     lp = _StepLP(tab, m, units)
@@ -208,7 +224,7 @@ def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: 
         lo, hi = t1_lo, target_ms
         if lp.solve(hi, 0.0) == math.inf:
             return BoundResult(m, hi, lp.solves, 0)
-        while hi - lo > rel_tol * hi and lp.solves < max_solves:
+        while hi - lo > rel_tol * hi and lp.solves < max_solves and not _late(deadline):
             mid = 0.5 * (lo + hi)
             if lp.solve(mid, 0.0) == math.inf:
                 lo = mid
@@ -220,12 +236,13 @@ def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: 
         return BoundResult(m, target_ms, 0, 0)
 
     def interval(a: float, b: float) -> float:  # bound on plans with T1 in [a, b]
-        return a + lp.least_rest(b, target_ms - a, rel_tol)
+        return a + lp.least_rest(b, target_ms - a, rel_tol, deadline)
 
     heap = [(interval(t1_lo, t1_hi), t1_lo, t1_hi)]
     while heap:
         bound, a, b = heap[0]
-        if bound >= target_ms * (1 - rel_tol) or b - a <= rel_tol * a or lp.solves >= max_solves:
+        if (bound >= target_ms * (1 - rel_tol) or b - a <= rel_tol * a or lp.solves >= max_solves
+                or _late(deadline)):
             break
         heapq.heappop(heap)
         mid = 0.5 * (a + b)
@@ -237,13 +254,18 @@ def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: 
     return BoundResult(m, final, lp.solves, len(heap))
 
 
+def _late(deadline) -> bool:
+    return deadline is not None and deadline.expired()
+
+
 def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
-                  rel_tol: float = 0.002) -> BoundResult:
+                  rel_tol: float = 0.002, deadline=None) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     The LP search runs for the memory-minimum micro-batch count and up to ``max_extra`` more
     (sharing ``max_solves`` LP solves); plans with even more micro-batches are bounded by
     ``m f_min + GPU-time / N``, which grows with m. ``target_ms`` (the best plan) caps the result.
+    Past ``deadline`` the counts not searched yet get that simple bound, so the result stays valid.
     """
     m_min = min_micro_batches(tab)
     f_min = min(tab.fixed.values())
@@ -259,8 +281,17 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         last = m
         if simple(m) >= best:
             break
+        if _late(deadline):  # this count and all larger ones: the simple bound
+            best = min(best, simple(m))
+            break
         budget = max(1, max_solves - solves - 12 * (m_min + max_extra - m))  # a little for larger m
-        r = step_bound(tab, m, target_ms=best, t1_lo=crit, rel_tol=rel_tol, max_solves=budget, units=units)
+        try:
+            r = step_bound(tab, m, target_ms=best, t1_lo=crit, rel_tol=rel_tol, max_solves=budget,
+                           units=units, deadline=deadline)
+        except SolverTrouble as exc:  # this count and all larger ones: the simple bound
+            log.warning("%s; using the simple bound for %d or more micro-batches", exc, m)
+            best = min(best, simple(m))
+            break
         solves += r.lp_solves
         best = min(best, max(r.bound_ms, simple(m)))
     else:

@@ -48,6 +48,7 @@ class LevelPacker:
         self.total_l = self.total.T.tolist()
         self.time_l = self.time.T.tolist()
         self.sizes_l = self.sizes.tolist()
+        self.row_of = {d: r for r, d in enumerate(self.sizes_l)}
         self.fixed_l = self.fixed.tolist()
 
     def lower_bound(self, items: np.ndarray, m: int) -> float:
@@ -74,11 +75,31 @@ class LevelPacker:
         is tight), the stuffing order, which also uses other sizes' spare room, gets a try."""
         return self._pack_fast(items, level) or self._pack_stuffed(items, level)
 
+    def _backfill(self, mine: np.ndarray, r: int, spare: list, level: float) -> np.ndarray:
+        """Place the shortest of ``mine`` (cheapest size row ``r``) into the idle time of larger groups
+        already made (``spare``: a heap of (-idle ms, uid, group)); returns the items left."""
+        tab = self.tab
+        order = mine[np.argsort(self.time[r, mine], kind="stable")]
+        for pos, i in enumerate(order.tolist()):
+            if not spare:
+                return order[pos:]
+            _, _, g = spare[0]
+            t = float(self.time[self.row_of[g.size], i])
+            idle = level - float(tab.fixed[g.size]) - g.load_ms
+            if t > idle + 1e-9 or g.tokens + self.lens_l[i] > tab.cap[g.size]:
+                return order[pos:]
+            tab.add(g, i)
+            heapq.heapreplace(spare, (-(idle - t), g.uid, g))
+        return order[:0]
+
     def _pack_balanced(self, items: np.ndarray, rows: np.ndarray, level: float) -> list[Group] | None:
         tab, groups, used = self.tab, [], 0
+        spare: list = []  # larger groups with idle time, most idle first
         for r in np.unique(rows)[::-1]:
             d = int(self.sizes[r])
-            mine = items[rows == r]
+            mine = self._backfill(items[rows == r], r, spare, level) if spare else items[rows == r]
+            if not len(mine):
+                continue
             room = level - float(self.fixed[r])
             times = self.time[r, mine]
             order = np.argsort(-times, kind="stable")
@@ -114,6 +135,8 @@ class LevelPacker:
                     heapq.heappush(heap, (g.load_ms, len(cls) - 1))
             used += len(cls) * d
             groups += cls
+            for g in cls:
+                heapq.heappush(spare, (-(room - g.load_ms), g.uid, g))
         return groups
 
     def min_level(self, items: np.ndarray, hi: float | None = None, rel_tol: float = 5e-3

@@ -66,22 +66,28 @@ def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: 
 
 
 def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -> list[np.ndarray] | None:
-    """``items`` into ``m`` micro-batches: heaviest first to the lightest with token room (one
-    micro-batch holds ``N x C`` tokens); None when some sequence finds no room."""
+    """``items`` into ``m`` micro-batches balanced in both GPU-time (``weight``) and tokens: each
+    sequence, the largest share first, goes where the larger of the two shares (load over the mean
+    load, tokens over the mean tokens) stays least, within the token capacity of one micro-batch
+    (``N x C``). None when some sequence finds no room."""
     cap = tab.cm.capacity_tokens * tab.cm.cluster.num_gpus
-    order = items[np.argsort(-weight[items], kind="stable")]
-    lens = tab.lens
+    lens = tab.lens[items].astype(np.float64)
+    w = weight[items]
+    mean_w, mean_s = max(float(w.sum()) / m, 1e-12), max(float(lens.sum()) / m, 1e-12)
+    order = np.argsort(-np.maximum(w / mean_w, lens / mean_s), kind="stable")
     load = np.zeros(m)
-    tokens = np.zeros(m, dtype=np.int64)
+    tokens = np.zeros(m)
     out: list[list[int]] = [[] for _ in range(m)]
-    for i in order.tolist():
-        room = tokens + lens[i] <= cap
-        if not room.any():
+    for k in order.tolist():
+        s_k, w_k = lens[k], w[k]
+        share = np.maximum((load + w_k) / mean_w, (tokens + s_k) / mean_s)
+        share[tokens + s_k > cap] = np.inf
+        j = int(np.argmin(share))
+        if not np.isfinite(share[j]):
             return None
-        j = int(np.argmin(np.where(room, load, np.inf)))
-        out[j].append(i)
-        load[j] += weight[i]
-        tokens[j] += lens[i]
+        out[j].append(int(items[k]))
+        load[j] += w_k
+        tokens[j] += s_k
     return [np.array(x, dtype=np.int64) for x in out if x]
 
 
