@@ -6,7 +6,12 @@ from dataclasses import asdict, dataclass, fields
 
 OVER_LENGTH_POLICIES = ("error", "truncate", "drop")
 SEARCHES = ("level", "milp")
-STRATEGIES = ("static", "batchada", "megatron-dcp", "flexsp")
+#: Strategies of the planner itself (numpy + HiGHS).
+BUILTIN_STRATEGIES = ("static", "batchada", "megatron-dcp", "flexsp")
+#: Strategies that call code of another package, registered by the layer that imports it
+#: (``megatron-hybrid-cp``: :mod:`megatron_flexsp.integration.hybrid_cp`, Megatron's own scheduler).
+EXTERNAL_STRATEGIES = {"megatron-hybrid-cp": "megatron_flexsp.integration.hybrid_cp"}
+STRATEGIES = BUILTIN_STRATEGIES + tuple(EXTERNAL_STRATEGIES)
 SOLVER_PRIORITIES = ("idle", "low", "normal")  # CPU priority of the background solver process
 
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Callable
 
 import numpy as np
 
-from megatron_flexsp.config import STRATEGIES, PlannerConfig
+from megatron_flexsp.config import EXTERNAL_STRATEGIES, STRATEGIES, PlannerConfig
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
@@ -76,6 +77,18 @@ def _validate_input(lens: np.ndarray) -> None:
         raise ValueError(f"sequence {i} has length {int(lens[i])}; lengths must be >= 1")
 
 
+_REGISTERED: dict[str, Callable[[np.ndarray, CostModel], StepPlan]] = {}
+
+
+def register_strategy(name: str, fn: Callable[[np.ndarray, CostModel], StepPlan]) -> None:
+    """Make ``plan_step(strategy=name)`` call ``fn(lengths, cm)``: how a layer above the planner
+    (one that may import other packages) adds a strategy of :data:`EXTERNAL_STRATEGIES`."""
+    if name not in EXTERNAL_STRATEGIES:
+        raise ValueError(f"strategy {name!r} is not one of the external strategies "
+                         f"{sorted(EXTERNAL_STRATEGIES)}")
+    _REGISTERED[name] = fn
+
+
 def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
               config: PlannerConfig | None = None, max_seq_len: int = 0) -> StepPlan:
     """Plan one global batch.
@@ -97,6 +110,11 @@ def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
     tab = Tables(fix.lens[kept], cm)
     if strategy == "flexsp":
         plan = _plan_flexsp(tab, cfg)
+    elif strategy in EXTERNAL_STRATEGIES:
+        if strategy not in _REGISTERED:
+            raise ValueError(f"strategy {strategy!r} calls code outside the planner: import "
+                             f"{EXTERNAL_STRATEGIES[strategy]} first (it registers the strategy)")
+        plan = _REGISTERED[strategy](tab.lens, cm)
     else:
         plan = _plan_baseline(tab, strategy, max_seq_len or int(original.max()))
     plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - t0)

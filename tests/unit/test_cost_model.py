@@ -4,6 +4,7 @@ import json
 import numpy as np
 import pytest
 
+from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.cost_model import CostModel, load_profile
 from megatron_flexsp.cost_model.profile import PROFILE_DIR, parse_profile
 from megatron_flexsp.model_spec import ModelSpec, get_model
@@ -29,13 +30,49 @@ def test_reference_mode_reproduces_paper_alltoall_shares():
     assert cm.group_fixed_ms(16) == pytest.approx(629.3563)
 
 
+#: The reference's own constants (PKU-DAIR/Hetu-Galvatron, flexsp branch): param_size_B is
+#: numel / 2**30, act_per_token in MB (2**20 bytes), a 28 GB budget, ZeRO-3 over all GPUs.
+REFERENCE = {"gpt-7b": (4.480441895, {196608: 7.1174468994140625, 393216: 7.8498687744140625}),
+             "gpt-13b": (4.220439453, {196608: 13.11605453491211, 393216: 14.03158187866211}),
+             "gpt-30b": (3.417381836, {196608: 31.52513885498047, 393216: 32.71532440185547})}
+
+
+def reference_cap(model: str, max_len: int, n: int = 64) -> int:
+    """The reference's tokens per GPU, in its own units: (28 * 1024 - states MB) / MB per token."""
+    act_mb, params_b = REFERENCE[model]
+    states_mb = params_b[max_len] * 16 * (1 / n) * 1024
+    return int((28 * 1024 - states_mb) / act_mb)
+
+
 def test_paper_capacity_matches_reference_budget(paper_cm):
-    # (28 GiB - 7.117e9 * 16 B / 64) / 4.4804 MiB per token
-    expected = (28 * 1024 - 7.117e9 * 16 / 2**20 / 64) / 4.4804
-    assert paper_cm.capacity_tokens == pytest.approx(expected, abs=1.0)
-    assert paper_cm.min_group_size(196608) == 64  # 196608 / 6020 = 32.7 GPUs
+    assert reference_cap("gpt-7b", 196608) == 5992
+    assert paper_cm.capacity_tokens == 5992
+    assert paper_cm.min_group_size(196608) == 64  # 196608 / 5992 = 32.8 GPUs
     assert paper_cm.min_group_size(32 * paper_cm.capacity_tokens) == 32
     assert paper_cm.min_group_size(10**7) == 0
+    for model, (_, by_len) in REFERENCE.items():
+        for max_len in by_len:
+            cm = CostModel.from_profile(load_profile("a100-paper"), get_model(model), num_gpus=64,
+                                        max_seq_len=max_len, reference_exact=True)
+            assert cm.capacity_tokens == reference_cap(model, max_len), (model, max_len)
+
+
+@pytest.mark.parametrize("model,max_len", [("gpt-7b", 196608), ("gpt-13b", 393216), ("gpt-30b", 196608)])
+def test_reference_mode_plans_respect_the_reference_cap(wiki_lengths, model, max_len):
+    from megatron_flexsp.planner import plan_step
+
+    cm = CostModel.from_profile(load_profile("a100-paper"), get_model(model), num_gpus=64,
+                                max_seq_len=max_len, reference_exact=True)
+    cap = reference_cap(model, max_len)
+    rng = np.random.default_rng(7)
+    lens = np.minimum(rng.choice(wiki_lengths, 512), max_len)
+    for strategy in ("flexsp", "batchada", "static"):
+        plan = plan_step(lens, cm, strategy=strategy, max_seq_len=max_len,
+                         config=PlannerConfig(over_length="truncate", time_budget_s=0.5))
+        for mb in plan.micro_batches:
+            for g in mb.groups:
+                tokens = sum(plan.seq_lens[i] for i in g.seqs)
+                assert tokens <= cap * g.size, (strategy, g.size, tokens, cap * g.size)
 
 
 def test_flexsp_mode_has_latency_and_d_minus_1_factor():

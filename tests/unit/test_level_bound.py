@@ -67,3 +67,33 @@ def test_search_setting_is_validated():
         PlannerConfig(search="cplex")
     with pytest.raises(ValueError, match="bound_lp_solves=-1"):
         PlannerConfig(bound_lp_solves=-1)
+
+
+def many_micro_batch_instance(seed: int):
+    """6-7 sequences of 101-300 tokens on the tiny 4-GPU cluster (400 tokens per micro-batch):
+    memory alone needs 3 to 6 micro-batches. (cost model, lengths, brute-force optimum ms)."""
+    from tests.unit.test_planner import brute_force_step_ms
+
+    rng = np.random.default_rng(100 + seed)
+    cm = tiny_cost_model()
+    lens = rng.integers(101, 301, size=int(rng.integers(6, 8)))
+    return cm, lens, brute_force_step_ms(tuple(int(x) for x in lens), cm)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_lp_bound_is_valid_with_three_to_six_micro_batches(seed):
+    cm, lens, opt = many_micro_batch_instance(seed)
+    tab = Tables(np.asarray(lens), cm)
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+
+    assert 3 <= min_micro_batches(tab) <= 6
+    for target in (opt, 1.5 * opt):
+        for extra in (0, 2, 4):
+            r = lp_step_bound(tab, target_ms=target, max_solves=300, max_extra=extra)
+            assert r.bound_ms <= opt * (1 + 1e-6), (target, extra, r, opt)
+    plan = plan_step(lens, cm, config=PlannerConfig(bound_lp_solves=300))
+    validate_plan(plan)
+    assert plan.predicted_step_ms >= opt * (1 - 1e-9)
+    assert plan.lower_bound_ms <= opt * (1 + 1e-6)
+    # the bound is not vacuous: it proves most of the optimum
+    assert plan.lower_bound_ms >= 0.8 * opt
