@@ -57,12 +57,14 @@ def step_milp(tab: Tables, cfg: PlannerConfig, incumbent: list[list[Group]], tai
                           warm=incumbent, options=phase_a)
     out = []
     refined = None
-    if res.counts:
+    if res.counts and res.objective_ms < inc_ms * (1 - 1e-6):  # HiGHS found more than the warm start
         refined = _phase_b(res, tab, longs, buckets, upper_ms=inc_ms * (1 + 1e-6), cfg=cfg,
                            deadline=deadline)
         for name, sol in (("milp", res), ("milp-refined", refined)):
             for use_quota in (True, False) if sol.counts else ():
-                layout = realize(sol, tab, buckets, use_quota=use_quota)
+                if deadline.expired():
+                    break
+                layout = realize(sol, tab, buckets, use_quota=use_quota, deadline=deadline)
                 out.append((tab.step_ms(layout), name, layout))
     bound = -math.inf
     if math.isfinite(res.dual_bound_ms):
@@ -135,7 +137,9 @@ def refine_micro_batches_of(layout: list[list[Group]], tab: Tables, packer: Leve
         solved += 1
         if not res.counts:
             continue
-        new = realize(res, tab, buckets)
+        if res.objective_ms >= before * (1 - 1e-6):
+            continue
+        new = realize(res, tab, buckets, deadline=deadline)
         if len(new) == 1 and tab.mb_ms(new[0]) < before * (1 - 1e-6):
             layout[j] = new[0]
             improved += 1

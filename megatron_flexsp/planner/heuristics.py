@@ -20,33 +20,61 @@ def min_micro_batches(tab: Tables) -> int:
     return max(1, math.ceil(int(tab.lens.sum()) / (tab.cm.capacity_tokens * n)))
 
 
+def _lpt(tab: Tables, d: int, count: int, order: list[int]) -> tuple[list[list[int]], list[float]] | None:
+    """Sequences ``order`` (longest first) onto ``count`` groups of size ``d``, each onto the
+    least-loaded group with memory room; (sequences, load ms) per group, or None when one finds no room."""
+    cap = tab.cap[d]
+    lens, times = tab.lens.tolist(), tab.time[d].tolist()
+    tok = [0] * count
+    owner: list[list[int]] = [[] for _ in range(count)]
+    heap = [(0.0, k) for k in range(count)]  # by load; already a heap
+    short: list[tuple[int, float, int]] = []  # groups without room for the last item, most room first
+    for i in order:  # longest first, so a group set aside fits again once items are short enough
+        s = lens[i]
+        while short and -short[0][0] >= s:
+            _, load, k = heapq.heappop(short)
+            heapq.heappush(heap, (load, k))
+        while heap and tok[heap[0][1]] + s > cap:
+            load, k = heapq.heappop(heap)
+            heapq.heappush(short, (-(cap - tok[k]), load, k))
+        if not heap:
+            return None
+        load, k = heap[0]
+        tok[k] += s
+        owner[k].append(i)
+        heapq.heapreplace(heap, (load + times[i], k))
+    heap += [(load, k) for _, load, k in short]
+    loads = [0.0] * count
+    for load, k in heap:
+        loads[k] = load
+    return owner, loads
+
+
 def homogeneous(tab: Tables, d: int, m: int, items=None) -> list[list[Group]] | None:
     """All groups of size ``d`` (``num_gpus / d`` per micro-batch), ``m`` micro-batches: longest
     sequence first onto the least-loaded group with memory room (LPT). None when one finds no room."""
     items = np.arange(len(tab.lens)) if items is None else np.asarray(items)
     per_mb = tab.cm.cluster.num_gpus // d
-    groups = [Group(d) for _ in range(m * per_mb)]
-    cap = tab.cap[d]
-    lens = tab.lens.tolist()
-    times = tab.time[d].tolist()
-    heap = [(0.0, k) for k in range(len(groups))]  # already a heap
-    for i in sorted(items.tolist(), key=lambda i: (-lens[i], i)):
-        popped = []
-        while heap:
-            load, k = heapq.heappop(heap)
-            g = groups[k]
-            if g.tokens + lens[i] <= cap:
-                g.seqs.append(i)
-                g.load_ms += times[i]
-                g.tokens += lens[i]
-                heapq.heappush(heap, (g.load_ms, k))
-                break
-            popped.append((load, k))
-        else:
-            return None
-        for item in popped:
-            heapq.heappush(heap, item)
+    packed = _lpt(tab, d, m * per_mb, items[np.argsort(-tab.lens[items], kind="stable")].tolist())
+    if packed is None:
+        return None
+    groups = []
+    for seqs in packed[0]:
+        g = Group(d)
+        for i in seqs:
+            tab.add(g, i)
+        groups.append(g)
     return [groups[j * per_mb:(j + 1) * per_mb] for j in range(m)]
+
+
+def _homogeneous_ms(tab: Tables, d: int, m: int, order: list[int]) -> float:
+    """Step time of :func:`homogeneous` without building its groups (inf when it fails)."""
+    per_mb = tab.cm.cluster.num_gpus // d
+    packed = _lpt(tab, d, m * per_mb, order)
+    if packed is None:
+        return math.inf
+    spans = np.array(packed[1]).reshape(m, per_mb).max(axis=1)
+    return float(np.where(spans > 0, spans + tab.fixed[d], 0.0).sum())
 
 
 def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3):
@@ -61,6 +89,8 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
     n_gpus = tab.cm.cluster.num_gpus
     order = sorted((d for d in sizes if longest <= tab.cap[d]),
                    key=lambda d: float(tab.time[d].sum()) * d)  # least GPU-time first
+    by_length = np.argsort(-tab.lens, kind="stable").tolist()
+    best_m = 0
     for d in order:
         work = float(tab.time[d].sum()) * d / n_gpus
         alone = float(tab.time[d].max()) + tab.fixed[d]
@@ -68,16 +98,15 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
         for m in range(m0, m0 + 64):
             if max(m * tab.fixed[d] + work, alone + (m - 1) * tab.fixed[d]) >= best_ms:
                 break
-            layout = homogeneous(tab, d, m)
-            if layout is None:
-                continue
-            ms = tab.step_ms(layout)
+            ms = _homogeneous_ms(tab, d, m, by_length)
             if ms < best_ms - 1e-9:
-                best, best_ms, best_d, misses = layout, ms, d, 0
-            else:
+                best_ms, best_d, best_m, misses = ms, d, m, 0
+            elif math.isfinite(ms):
                 misses += 1
                 if misses > extra_micro_batches:
                     break
+    if best_m:
+        best = homogeneous(tab, best_d, best_m)
     return (best, best_d) if best is not None else None
 
 

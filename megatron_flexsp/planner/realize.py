@@ -15,8 +15,8 @@ from megatron_flexsp.planner.layout import Group, GroupIndex, Tables, improve_la
 from megatron_flexsp.planner.milp import MilpResult
 
 
-def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool = True
-            ) -> list[list[Group]]:
+def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool = True,
+            deadline=None) -> list[list[Group]]:
     """Real layout of ``res``. Never fails: a sequence that fits in no group opens a micro-batch.
 
     ``use_quota``: place bucketed sequences preferably in the micro-batches the MILP gave their
@@ -101,7 +101,7 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool =
             quota[k, j] -= s
     layout = [[g for g in mb if g.seqs] for mb in layout]
     layout = [mb for mb in layout if mb]
-    improve_layout(layout, tab)
+    improve_layout(layout, tab, deadline=deadline)
     return layout
 
 
