@@ -1,183 +1,243 @@
 #!/usr/bin/env python
-"""Planner benchmark on the real Wikipedia lengths: latency, proven gap, step times, reference MILP.
+"""Planner benchmark: plan latency, proven gap and simulated step times on real and synthetic corpora.
 
-For each cluster size N (global batch 8*N, max length 192K, GPT-7B with the paper's constants by
-default) it samples batches, plans each with every strategy, and reports: flexsp plan latency
-p50/p99 (one core), realized gap against the valid lower bound (median / max), mean simulated step
-time per strategy and flexsp's speedups; then a head-to-head with the reference's per-slot MILP
-(HiGHS, 10 s limit per micro-batch) on the first batches at the smallest N. Prints tables and writes
-JSON (default out/bench_planner.json). Example:
+Every batch is planned by every strategy (static, batchada, megatron-dcp, Megatron's own hybrid-CP
+scheduler and flexsp) with the same cost model (GPT-7B with the paper's constants by default); the
+step times are simulated, the plan times are wall time on one core. Per cell: micro-batches per
+step, flexsp plan p50/p99, its proven gap (median / max), how often and by how much the MILPs
+improved the fast plan, and flexsp's speedup over each baseline (ratio of summed step times).
 
-    python scripts/bench_planner.py --gpus 64,256,1024,4096 --batches 20,5,2,1 --ref-batches 5
+* default: Wikipedia lengths, global batch 8 x N, N = 64, 256, 1024 GPUs, plus a head-to-head with
+  the reference's per-slot MILP on the first batches at the smallest N;
+* ``--sweep``: the robustness sweep -- every corpus of :mod:`megatron_flexsp.sim.corpora` and
+  Wikipedia, global batch 512/1024/2048/4096 at 64 GPUs and 8 x N at 256 and 1024 GPUs; writes a
+  markdown table (``--md``), a plot of plan time against micro-batches (``--png``) and JSON.
+
+    python scripts/bench_planner.py --sweep --batches 4 --md docs/planner-sweep.md
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reference_milp import plan_reference  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from megatron_flexsp.config import STRATEGIES, PlannerConfig  # noqa: E402
+import megatron_flexsp.integration.hybrid_cp  # noqa: E402,F401  (registers megatron-hybrid-cp)
+from megatron_flexsp.config import PlannerConfig  # noqa: E402
 from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
 from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.plan import validate_plan  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.sim import simulate  # noqa: E402
+from megatron_flexsp.sim.corpora import SYNTHETIC, synthetic_lengths  # noqa: E402
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
 
-PAPER = {"flexsp_vs_deepspeed": 1.72, "flexsp_vs_megatron": 1.98, "batchada_vs_deepspeed": 1.34,
-         "batchada_vs_megatron": 1.54}
+STRATEGIES = ("static", "batchada", "megatron-dcp", "megatron-hybrid-cp", "flexsp")
+WIKI = ROOT.parent / "shared" / "seqlen" / "flexsp_wikipedia_seqlens.txt"
 
 
 def pct(values, q):
-    return float(np.percentile(values, q)) if values else float("nan")
+    return float(np.percentile(values, q)) if len(values) else float("nan")
 
 
-def bench_setting(n, batches, cm, cfg, max_len):
-    rows = []
-    for k, b in enumerate(batches):
-        row = {"tokens": int(b.sum()), "max_len": int(b.max())}
-        for s in STRATEGIES:
-            t0 = time.perf_counter()
-            plan = plan_step(b, cm, strategy=s, config=cfg, max_seq_len=max_len)
-            wall = time.perf_counter() - t0
-            validate_plan(plan)
-            sim = simulate(plan, cm)
-            assert sim.memory_ok, (s, k)
-            row[s] = {"step_ms": sim.step_ms, "plan_s": wall, "micro_batches": sim.num_micro_batches,
-                      "idle_fraction": sim.idle_fraction, "alltoall_fraction": sim.alltoall_fraction}
-            if s == "flexsp":
-                row[s].update({"gap": plan.gap, "lower_bound_ms": plan.lower_bound_ms,
-                               "method": plan.method, "bucketing_error": plan.bucketing_error,
-                               "level_time_s": plan.info.get("level_time_s"),
-                               "lp_time_s": plan.info.get("lp_time_s", 0.0),
-                               "lp_solves": plan.info.get("lp_solves", 0)})
-        rows.append(row)
-        f = row["flexsp"]
-        print(f"  N={n} batch {k + 1}/{len(batches)}: flexsp {f['step_ms']:.0f} ms "
-              f"(gap {f['gap']:.2%}, {f['plan_s']:.1f} s, {f['method']}), batchada "
-              f"{row['batchada']['step_ms']:.0f}, static {row['static']['step_ms']:.0f}",
-              file=sys.stderr, flush=True)
-    lat = [r["flexsp"]["plan_s"] for r in rows]
-    gaps = [r["flexsp"]["gap"] for r in rows]
+def plan_batch(b, cm, cfg, max_len) -> dict:
+    """Every strategy on one batch: simulated step time, plan wall time, micro-batches, gap."""
+    row = {"tokens": int(b.sum()), "max_len": int(b.max())}
+    for s in STRATEGIES:
+        t0 = time.perf_counter()
+        plan = plan_step(b, cm, strategy=s, config=cfg, max_seq_len=max_len)
+        wall = time.perf_counter() - t0
+        validate_plan(plan)
+        sim = simulate(plan, cm)
+        if not sim.memory_ok:
+            raise AssertionError(f"{s}: plan exceeds memory")
+        row[s] = {"step_ms": sim.step_ms, "plan_s": wall, "micro_batches": sim.num_micro_batches}
+        if s == "megatron-hybrid-cp":
+            row[s]["megatron_step_ms"] = plan.info["megatron_step_ms"]
+        if s == "flexsp":
+            info = plan.info
+            row[s].update(gap=plan.gap, lower_bound_ms=plan.lower_bound_ms, method=plan.method,
+                          milp_kind=info.get("milp_kind"), milp_improved=bool(info.get("milp_improved")),
+                          milp_gain=1 - info.get("milp_after_ms", 1) / info.get("milp_before_ms", 1))
+    return row
+
+
+def summarize(rows: list[dict]) -> dict:
+    f = [r["flexsp"] for r in rows]
+    lat = [x["plan_s"] for x in f]
+    gaps = [x["gap"] for x in f]
     tot = {s: float(sum(r[s]["step_ms"] for r in rows)) for s in STRATEGIES}
-    summary = {
-        "num_gpus": n, "global_batch": len(batches[0]), "batches": len(rows),
-        "plan_p50_s": pct(lat, 50), "plan_p99_s": pct(lat, 99), "gap_median": pct(gaps, 50),
-        "gap_max": max(gaps), "mean_step_ms": {s: tot[s] / len(rows) for s in STRATEGIES},
-        "speedup_vs_static": tot["static"] / tot["flexsp"],
-        "speedup_vs_batchada": tot["batchada"] / tot["flexsp"],
-        "speedup_vs_megatron_dcp": tot["megatron-dcp"] / tot["flexsp"],
-        "batchada_vs_static": tot["static"] / tot["batchada"],
-        "flexsp_slower_than_batchada": sum(r["flexsp"]["step_ms"] > r["batchada"]["step_ms"] * (1 + 1e-9)
-                                           for r in rows),
-        "flexsp_idle_fraction": float(np.mean([r["flexsp"]["idle_fraction"] for r in rows])),
-        "flexsp_alltoall_fraction": float(np.mean([r["flexsp"]["alltoall_fraction"] for r in rows])),
+    gains = [x["milp_gain"] for x in f if x["milp_improved"]]
+    return {
+        "batches": len(rows), "micro_batches_min": min(x["micro_batches"] for x in f),
+        "micro_batches_max": max(x["micro_batches"] for x in f),
+        "plan_p50_s": pct(lat, 50), "plan_p99_s": pct(lat, 99), "plan_max_s": max(lat),
+        "gap_median": pct(gaps, 50), "gap_max": max(gaps),
+        "mean_step_ms": {s: tot[s] / len(rows) for s in STRATEGIES},
+        "x_static": tot["static"] / tot["flexsp"], "x_batchada": tot["batchada"] / tot["flexsp"],
+        "x_dcp": tot["megatron-dcp"] / tot["flexsp"],
+        "x_hybrid_cp": tot["megatron-hybrid-cp"] / tot["flexsp"],
+        "x_hybrid_cp_as_megatron_runs_it": float(sum(r["megatron-hybrid-cp"]["megatron_step_ms"]
+                                                     for r in rows)) / tot["flexsp"],
+        "slower_than_batchada": sum(r["flexsp"]["step_ms"] > r["batchada"]["step_ms"] * (1 + 1e-9)
+                                    for r in rows),
+        "milp_improved": len(gains), "milp_gain_mean": float(np.mean(gains)) if gains else 0.0,
     }
-    return summary, rows
+
+
+def corpus_lengths(name: str) -> np.ndarray:
+    return load_lengths(WIKI) if name == "wikipedia" else synthetic_lengths(name, seed=1)
+
+
+def run_cells(cells, args, profile) -> list[dict]:
+    out = []
+    for corpus, n, gb in cells:
+        cm = CostModel.from_profile(profile, get_model(args.model), num_gpus=n, max_seq_len=args.max_seq_len)
+        cfg = PlannerConfig(over_length="truncate", time_budget_s=args.budget.get(n, 1.0))
+        batches, _ = sample_batches(corpus_lengths(corpus), global_batch=gb, num_batches=args.batches_for(n),
+                                    seed=args.seed, max_seq_len=args.max_seq_len)
+        t0 = time.perf_counter()
+        rows = [plan_batch(b, cm, cfg, args.max_seq_len) for b in batches]
+        cell = {"corpus": corpus, "num_gpus": n, "global_batch": gb, "budget_s": cfg.time_budget_s,
+                "summary": summarize(rows), "batches": rows}
+        out.append(cell)
+        s = cell["summary"]
+        print(f"{corpus:>14} N={n:<5} B={gb:<5} mbs {s['micro_batches_min']}-{s['micro_batches_max']} "
+              f"p99 {s['plan_p99_s']:.2f}s gap {s['gap_median']:.2%}/{s['gap_max']:.2%} "
+              f"x batchada {s['x_batchada']:.2f} x hybrid-cp {s['x_hybrid_cp']:.2f} "
+              f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    return out
+
+
+def table(cells: list[dict]) -> list[str]:
+    lines = ["| corpus | N | B | batches | micro-batches | plan p50 s | plan p99 s | gap median | gap max "
+             "| x static | x batchada | x megatron-dcp | x megatron-hybrid-cp | slower than batchada "
+             "| MILP improved (mean gain) |", "|" + "---|" * 15]
+    for c in cells:
+        s = c["summary"]
+        lines.append(
+            f"| {c['corpus']} | {c['num_gpus']} | {c['global_batch']} | {s['batches']} | "
+            f"{s['micro_batches_min']}-{s['micro_batches_max']} | {s['plan_p50_s']:.2f} | "
+            f"{s['plan_p99_s']:.2f} | {s['gap_median']:.2%} | {s['gap_max']:.2%} | {s['x_static']:.2f} | "
+            f"{s['x_batchada']:.2f} | {s['x_dcp']:.2f} | {s['x_hybrid_cp']:.2f} | "
+            f"{s['slower_than_batchada']} | {s['milp_improved']}/{s['batches']} ({s['milp_gain_mean']:.2%}) |")
+    return lines
+
+
+def targets(cells: list[dict]) -> list[str]:
+    """The issue's targets, checked cell by cell."""
+    p64 = [c for c in cells if c["num_gpus"] == 64 and c["summary"]["micro_batches_max"] <= 16]
+    p1k = [c for c in cells if c["num_gpus"] == 1024]
+    worst64 = max((c["summary"]["plan_p99_s"] for c in p64), default=float("nan"))
+    worst1k = max((c["summary"]["plan_p99_s"] for c in p1k), default=float("nan"))
+    med = [c for c in cells if c["summary"]["gap_median"] > 0.02]
+    mx = [c for c in cells if c["summary"]["gap_max"] > 0.05]
+    slow = sum(c["summary"]["slower_than_batchada"] for c in cells)
+    name = lambda c: f"{c['corpus']}/N{c['num_gpus']}/B{c['global_batch']}"  # noqa: E731
+    return [f"- plan p99 at 64 GPUs, cells with at most 16 micro-batches: worst {worst64:.2f} s (target <= 1 s)",
+            f"- plan p99 at 1024 GPUs: worst {worst1k:.2f} s (target <= 10 s)",
+            f"- cells with gap median above 2%: {len(med)} of {len(cells)}"
+            + (f" ({', '.join(map(name, med))})" if med else ""),
+            f"- cells with gap max above 5%: {len(mx)} of {len(cells)}"
+            + (f" ({', '.join(map(name, mx))})" if mx else ""),
+            f"- batches where flexsp is slower than batchada: {slow}"]
+
+
+def plot(cells: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for n, marker in ((64, "o"), (256, "s"), (1024, "^"), (4096, "D")):
+        pts = [(r["flexsp"]["micro_batches"], r["flexsp"]["plan_s"]) for c in cells if c["num_gpus"] == n
+               for r in c["batches"]]
+        if pts:
+            ax.scatter(*zip(*pts), marker=marker, s=14, alpha=0.6, label=f"{n} GPUs")
+    ax.set_xscale("log")
+    ax.set_xlabel("micro-batches per step (flexsp plan)")
+    ax.set_ylabel("plan time (s, one core)")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--lengths", default=str(Path(__file__).resolve().parents[2] / "shared" / "seqlen"
-                                             / "flexsp_wikipedia_seqlens.txt"))
-    ap.add_argument("--gpus", default="64,256,1024,4096")
-    ap.add_argument("--batches", default="20,5,2,1", help="batches per cluster size")
-    ap.add_argument("--ref-batches", type=int, default=5)
-    ap.add_argument("--milp-batches", type=int, default=5,
-                    help="also plan this many batches at the smallest N with search=milp (the step "
-                         "MILP warm-started from level packing) to compare quality, bound and time")
+    ap.add_argument("--sweep", action="store_true", help="the robustness sweep over corpora and loads")
+    ap.add_argument("--corpora", default=",".join(("wikipedia",) + SYNTHETIC))
+    ap.add_argument("--gpus", default="64,256,1024", help="cluster sizes (default mode)")
+    ap.add_argument("--batches", type=int, default=4, help="batches per cell at 64 GPUs")
+    ap.add_argument("--large-batches", type=int, default=2, help="batches per cell above 64 GPUs")
+    ap.add_argument("--budget", default="64:1,256:2,1024:5",
+                    help="planner time budget (s) per cluster size, N:S pairs (default of the planner: 1)")
+    ap.add_argument("--ref-batches", type=int, default=5, help="reference MILP head-to-head (default mode)")
     ap.add_argument("--ref-time-limit", type=float, default=10.0)
     ap.add_argument("--profile", default="a100-paper")
     ap.add_argument("--model", default="gpt-7b")
     ap.add_argument("--max-seq-len", type=int, default=196608)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_planner.json")
+    ap.add_argument("--md", default=None, help="write the markdown table here")
+    ap.add_argument("--png", default=None, help="plot of plan time against micro-batches")
     args = ap.parse_args()
-    gpus = [int(x) for x in args.gpus.split(",")]
-    counts = [int(x) for x in args.batches.split(",")]
-    if len(counts) != len(gpus):
-        raise SystemExit(f"--batches has {len(counts)} entries, --gpus {len(gpus)}")
-    lengths = load_lengths(args.lengths)
+    args.budget = {int(k): float(v) for k, v in (x.split(":") for x in args.budget.split(","))}
+    args.batches_for = lambda n: args.batches if n <= 64 else args.large_batches
     profile = load_profile(args.profile)
-    cfg = PlannerConfig()
-    result = {"profile": args.profile, "model": args.model, "max_seq_len": args.max_seq_len,
-              "planner_config": cfg.to_dict(), "paper": PAPER, "settings": [], "reference": [], "milp": []}
-    for n, k in zip(gpus, counts):
-        cm = CostModel.from_profile(profile, get_model(args.model), num_gpus=n, max_seq_len=args.max_seq_len)
-        batches, _ = sample_batches(lengths, global_batch=8 * n, num_batches=k, seed=args.seed,
-                                    max_seq_len=args.max_seq_len)
-        summary, rows = bench_setting(n, batches, cm, cfg, args.max_seq_len)
-        result["settings"].append({"summary": summary, "batches": rows})
-        if n == gpus[0] and args.milp_batches > 0:
-            mcfg = PlannerConfig(search="milp")
-            for j, b in enumerate(batches[:args.milp_batches]):
-                t0 = time.perf_counter()
-                plan = plan_step(b, cm, config=mcfg, max_seq_len=args.max_seq_len)
-                result["milp"].append({"batch": j, "milp_step_ms": plan.predicted_step_ms,
-                                       "milp_bound_ms": plan.lower_bound_ms,
-                                       "milp_plan_s": time.perf_counter() - t0, "milp_method": plan.method,
-                                       "level_step_ms": rows[j]["flexsp"]["step_ms"],
-                                       "level_bound_ms": rows[j]["flexsp"]["lower_bound_ms"],
-                                       "level_plan_s": rows[j]["flexsp"]["plan_s"]})
-                print(f"  milp batch {j + 1}/{args.milp_batches}", file=sys.stderr, flush=True)
-        if n == gpus[0] and args.ref_batches > 0:
-            for j, b in enumerate(batches[:args.ref_batches]):
-                plan, info = plan_reference(b, cm, time_limit_s=args.ref_time_limit, seed=args.seed)
-                ours = rows[j]["flexsp"]
-                ref_ms = simulate(plan, cm).step_ms if plan is not None else None
-                result["reference"].append({"batch": j, "reference_step_ms": ref_ms,
-                                            "reference_plan_s": plan.solve_time_s if plan else None,
-                                            "reference_status": info["status"],
-                                            "flexsp_step_ms": ours["step_ms"], "flexsp_plan_s": ours["plan_s"],
-                                            "batchada_step_ms": rows[j]["batchada"]["step_ms"]})
-                print(f"  reference batch {j + 1}/{args.ref_batches}: {ref_ms} ms", file=sys.stderr, flush=True)
-
-    print(f"\nPlanner benchmark: {args.profile} / {args.model}, max length {args.max_seq_len}, "
-          f"Wikipedia lengths, global batch 8 x N")
-    print(f"{'N':>5} {'B':>5} {'K':>3} {'p50 s':>7} {'p99 s':>7} {'gap med':>8} {'gap max':>8} "
-          + " ".join(f"{s:>13}" for s in STRATEGIES) + f" {'xstatic':>8} {'xbatchada':>9} {'xdcp':>6} {'slower':>6}")
-    for st in result["settings"]:
-        s = st["summary"]
-        print(f"{s['num_gpus']:>5} {s['global_batch']:>5} {s['batches']:>3} {s['plan_p50_s']:>7.2f} "
-              f"{s['plan_p99_s']:>7.2f} {s['gap_median']:>8.2%} {s['gap_max']:>8.2%} "
-              + " ".join(f"{s['mean_step_ms'][x]:>13.0f}" for x in STRATEGIES)
-              + f" {s['speedup_vs_static']:>7.2f}x {s['speedup_vs_batchada']:>8.2f}x "
-                f"{s['speedup_vs_megatron_dcp']:>5.2f}x {s['flexsp_slower_than_batchada']:>6}")
-    print(f"paper (Wikipedia, 6.7B, 192K, 64 GPUs): FlexSP {PAPER['flexsp_vs_deepspeed']}x over DeepSpeed, "
-          f"{PAPER['flexsp_vs_megatron']}x over Megatron; BatchAda {PAPER['batchada_vs_deepspeed']}x / "
-          f"{PAPER['batchada_vs_megatron']}x, i.e. FlexSP {PAPER['flexsp_vs_deepspeed'] / PAPER['batchada_vs_deepspeed']:.2f}x over BatchAda")
-    sets = result["settings"]
-    for a, b in zip(sets, sets[1:]):
-        sa, sb = a["summary"], b["summary"]
-        print(f"latency growth {sa['num_gpus']} -> {sb['num_gpus']} GPUs "
-              f"(x{sb['num_gpus'] / sa['num_gpus']:.0f} GPUs and sequences): p50 x{sb['plan_p50_s'] / sa['plan_p50_s']:.1f}")
-    if result["milp"]:
-        print(f"\nlevel packing (default) vs search=milp (step MILP warm-started from it), N={gpus[0]}")
-        print(f"{'batch':>5} {'level ms':>9} {'bound':>7} {'s':>6} {'milp ms':>9} {'bound':>7} {'s':>6}  method")
-        for r in result["milp"]:
-            print(f"{r['batch']:>5} {r['level_step_ms']:>9.0f} {r['level_bound_ms']:>7.0f} {r['level_plan_s']:>6.2f} "
-                  f"{r['milp_step_ms']:>9.0f} {r['milp_bound_ms']:>7.0f} {r['milp_plan_s']:>6.2f}  {r['milp_method']}")
-    if result["reference"]:
-        print(f"\nHead-to-head with the reference per-slot MILP (HiGHS, {args.ref_time_limit:.0f} s per micro-batch), N={gpus[0]}")
-        print(f"{'batch':>5} {'reference ms':>13} {'ref plan s':>10} {'flexsp ms':>10} {'flexsp s':>9} {'batchada ms':>11}  reference status")
-        for r in result["reference"]:
-            ref = f"{r['reference_step_ms']:.0f}" if r["reference_step_ms"] else "none"
-            rs = f"{r['reference_plan_s']:.1f}" if r["reference_plan_s"] else "-"
-            print(f"{r['batch']:>5} {ref:>13} {rs:>10} {r['flexsp_step_ms']:>10.0f} {r['flexsp_plan_s']:>9.2f} "
-                  f"{r['batchada_step_ms']:>11.0f}  {','.join(sorted(set(r['reference_status'])))}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out}")
+    if args.sweep:
+        cells = [(c, 64, gb) for c in args.corpora.split(",") for gb in (512, 1024, 2048, 4096)]
+        cells += [(c, n, 8 * n) for c in args.corpora.split(",") for n in (256, 1024)]
+    else:
+        cells = [("wikipedia", int(n), 8 * int(n)) for n in args.gpus.split(",")]
+    result = {"provenance": provenance(profile=args.profile, model=args.model, max_seq_len=args.max_seq_len,
+                                       budget_s=args.budget),
+              "cells": run_cells(cells, args, profile)}
+    if not args.sweep and args.ref_batches:
+        result["reference"] = reference_head_to_head(args, profile)
+    title = "Planner sweep" if args.sweep else "Planner benchmark"
+    lines = header_lines(title, result["provenance"]) + table(result["cells"]) + ["", "Targets:", ""]
+    lines += targets(result["cells"])
+    if result.get("reference"):
+        lines += ["", "Reference per-slot MILP (HiGHS, time limit per micro-batch) on the first batches:", "",
+                  "| batch | reference ms | reference plan s | flexsp ms | flexsp plan s |", "|---|---|---|---|---|"]
+        lines += [f"| {r['batch']} | {r['reference_step_ms']:.0f} | {r['reference_plan_s']:.1f} | "
+                  f"{r['flexsp_step_ms']:.0f} | {r['flexsp_plan_s']:.2f} |" for r in result["reference"]]
+    if args.png:
+        plot(result["cells"], args.png)
+    print("\n".join(lines))
+    for path in write_outputs(args.out, result, args.md, lines if args.md else None):
+        print(f"wrote {path}")
     return 0
+
+
+def reference_head_to_head(args, profile) -> list[dict]:
+    """The reference's per-slot MILP (``scripts/reference_milp.py``) against flexsp, smallest N."""
+    from reference_milp import plan_reference
+
+    n = min(int(x) for x in args.gpus.split(","))
+    cm = CostModel.from_profile(profile, get_model(args.model), num_gpus=n, max_seq_len=args.max_seq_len)
+    cfg = PlannerConfig(over_length="truncate", time_budget_s=args.budget.get(n, 1.0))
+    batches, _ = sample_batches(corpus_lengths("wikipedia"), global_batch=8 * n, num_batches=args.ref_batches,
+                                seed=args.seed, max_seq_len=args.max_seq_len)
+    out = []
+    for k, b in enumerate(batches):
+        plan, info = plan_reference(b, cm, time_limit_s=args.ref_time_limit, seed=args.seed)
+        ours = plan_step(b, cm, config=cfg, max_seq_len=args.max_seq_len)
+        out.append({"batch": k, "reference_step_ms": simulate(plan, cm).step_ms if plan else float("nan"),
+                    "reference_plan_s": plan.solve_time_s if plan else float("nan"),
+                    "reference_status": info["status"], "flexsp_step_ms": ours.predicted_step_ms,
+                    "flexsp_plan_s": ours.solve_time_s})
+        print(f"  reference batch {k + 1}/{len(batches)}", file=sys.stderr, flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@
 GPT-7B/13B/30B x max length 192K/384K x GitHub, CommonCrawl, Wikipedia on 64 GPUs (8 per node),
 global batch 512, the paper's constants (``a100-paper`` profile in the reference-exact cost mode).
 Wikipedia lengths come from ``../shared/seqlen/``; GitHub and CommonCrawl are stand-ins (see
-:func:`stand_in_lengths`). Strategies: static (DeepSpeed-Ulysses style fixed degree), batchada,
+:func:`megatron_flexsp.sim.corpora.stand_in_lengths`). Strategies: static (DeepSpeed-Ulysses style fixed degree), batchada,
 megatron-dcp, the reference's per-slot MILP (HiGHS, 10 s per micro-batch) and ours. Writes
 ``docs/paper_reproduction.md`` (table beside the paper's ratios), a bar chart PNG and JSON.
 
@@ -30,6 +30,7 @@ from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
 from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.sim import simulate  # noqa: E402
+from megatron_flexsp.sim.corpora import STAND_INS, stand_in_lengths  # noqa: E402
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches  # noqa: E402
 from reference_milp import plan_reference  # noqa: E402
 
@@ -42,32 +43,7 @@ PAPER = {
     ("gpt-13b", 393216): {"github": (1.29, 1.63), "commoncrawl": (1.37, 1.70), "wikipedia": (1.43, 1.77)},
     ("gpt-30b", 393216): {"github": (1.22, 1.40), "commoncrawl": (1.33, 1.60), "wikipedia": (1.53, 1.85)},
 }
-#: Stand-in shapes: published mean tokens per document (``../shared/seqlen/README.md``), the tail
-#: fraction above ``x_m`` and the Pareto index (Wikipedia's measured tail index is about 2).
-STAND_INS = {"commoncrawl": {"mean": 525.0, "tail_fraction": 0.004, "x_m": 8192, "alpha": 2.0},
-             "github": {"mean": 1820.0, "tail_fraction": 0.02, "x_m": 8192, "alpha": 1.8}}
 STRATEGIES = ("static", "batchada", "megatron-dcp", "reference", "flexsp")
-
-
-def stand_in_lengths(name: str, n: int = 1_000_000, seed: int = 0, sigma: float = 1.2) -> np.ndarray:
-    """Lognormal body + Pareto tail whose mean matches the corpus' published mean tokens per document.
-
-    A fraction ``tail_fraction`` of documents is Pareto(``alpha``) above ``x_m`` (mean
-    ``alpha x_m / (alpha - 1)``); the body is lognormal with ``sigma`` and the median set so that
-    the overall mean equals ``mean``. Deterministic for a seed.
-    """
-    p = STAND_INS[name]
-    rng = np.random.default_rng(seed)
-    tail_mean = p["alpha"] * p["x_m"] / (p["alpha"] - 1)
-    body_mean = (p["mean"] - p["tail_fraction"] * tail_mean) / (1 - p["tail_fraction"])
-    if body_mean <= 0:
-        raise ValueError(f"stand-in {name}: tail mean {tail_mean:.0f} x {p['tail_fraction']} exceeds "
-                         f"the corpus mean {p['mean']}")
-    mu = np.log(body_mean) - sigma ** 2 / 2
-    tail = rng.random(n) < p["tail_fraction"]
-    body = rng.lognormal(mu, sigma, n)
-    pareto = p["x_m"] * (1 + rng.pareto(p["alpha"], n))
-    return np.maximum(np.where(tail, pareto, body), 1).astype(np.int64)
 
 
 def run_setting(model: str, max_len: int, corpus: str, lengths: np.ndarray, args) -> dict:

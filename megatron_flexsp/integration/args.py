@@ -75,6 +75,10 @@ class PlanningSettings:
     solver_delay_s: delay every solve (test and benchmark hook for a slow solver).
     solver_priority: the solver process's CPU priority: ``low`` (nice 19, the default), ``idle``
         (Linux ``SCHED_IDLE``: only CPU time nothing else wants) or ``normal``.
+    solve_budget: the planner's time budget for a step solved in the background: ``auto`` (the
+        default) gives it ``step_budget_fraction`` of the last step's measured time (the solve
+        overlaps the step before, so it may use most of it), at least ``planner.time_budget_s``;
+        a number of seconds fixes it.
     """
 
     asynchronous: bool = True
@@ -83,6 +87,8 @@ class PlanningSettings:
     precompute: bool = False
     solver_delay_s: float = 0.0
     solver_priority: str = "low"
+    solve_budget: float | str = "auto"
+    step_budget_fraction: float = 0.8
 
     def __post_init__(self) -> None:
         if self.wait_budget_s < 0 or self.solver_delay_s < 0:
@@ -91,6 +97,13 @@ class PlanningSettings:
         if self.solver_priority not in SOLVER_PRIORITIES:
             raise ValueError(f"planning.solver_priority={self.solver_priority!r} must be one of "
                              f"{list(SOLVER_PRIORITIES)}")
+        if self.solve_budget != "auto" and not (isinstance(self.solve_budget, (int, float))
+                                                 and self.solve_budget > 0):
+            raise ValueError(f"planning.solve_budget={self.solve_budget!r} must be 'auto' or a "
+                             f"number of seconds > 0")
+        if not 0 < self.step_budget_fraction <= 1:
+            raise ValueError(f"planning.step_budget_fraction={self.step_budget_fraction} must be in "
+                             f"(0, 1]")
         if self.fallback not in STRATEGIES or self.fallback == "flexsp":
             raise ValueError(f"planning.fallback={self.fallback!r} must be a fast baseline: one of "
                              f"{[s for s in STRATEGIES if s != 'flexsp']}")

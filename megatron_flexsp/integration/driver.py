@@ -91,6 +91,7 @@ class StepDriver:
         self.args, self.settings, self.on_cpu = args, settings, on_cpu
         self.measure = True  # activation bytes per token, in the first step
         self._sync_step = -1  # the step solved in-process when planning is asynchronous
+        self._last_step_s = 0.0  # this rank's last forward-backward time (sets the solver's budget)
         self.flexsp = bool(args.flexsp)
         self.source = DocumentSource(open_indexed(data_prefixes(args)))
         self.sampler = DocumentSampler(self.source.lengths, global_batch=args.global_batch_size,
@@ -248,12 +249,20 @@ class StepDriver:
         self.solver_cpu_s = self.service.solver_cpu_s - before  # solves finished since the last step
         return outcome.plan, outcome.source
 
+    def solve_budget_s(self) -> float:
+        """The background solver's budget for the next step: a fixed ``planning.solve_budget``, or
+        ``step_budget_fraction`` of the last step's time, at least ``planner.time_budget_s``."""
+        cfg = self.settings.planning
+        if cfg.solve_budget != "auto":
+            return float(cfg.solve_budget)
+        return max(self.settings.planner.time_budget_s, cfg.step_budget_fraction * self._last_step_s)
+
     def _look_ahead(self, step: int) -> None:
         """Rank 0: ask the solver for the next batch's plan, to be solved while ``step`` trains
         (called once all ranks hold this step's plan, so that the solver's start does not delay the
         plan's broadcast)."""
         if self.service is not None and dist.get_rank() == 0:
-            self.service.request(step + 1, self.sampler.batch(step + 1).lengths)
+            self.service.request(step + 1, self.sampler.batch(step + 1).lengths, self.solve_budget_s())
 
     def _plan(self, batch) -> tuple[StepPlan, float, str]:
         t0 = time.perf_counter()
@@ -316,6 +325,7 @@ class StepDriver:
         finally:
             self.switch.restore()
         run_s = time.perf_counter() - t0
+        self._last_step_s = run_s
         act = 0.0
         if meter is not None:
             self.measure = False
@@ -357,6 +367,7 @@ class StepDriver:
                      "n/a" if model_value is None else f"{model_value:.0f}")
         if plan is not None:
             rec.update(plan_source=source, predicted_ms=plan.predicted_step_ms,
+                       plan_budget_s=plan.info.get("time_budget_s"),
                        solver_cpu_ms=1e3 * self.solver_cpu_s,
                        gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,
                        group_sizes=plan.group_sizes, solve_s=plan.solve_time_s)

@@ -169,6 +169,9 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
     homo = H.best_homogeneous(tab, tab.sizes)
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
+    dcp = H.megatron_dcp(tab)  # memory-filling greedy: strong when memory sets the micro-batch count
+    if dcp is not None:
+        candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     info["homogeneous_time_s"] = deadline.elapsed()
     packer = LevelPacker(tab)
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
@@ -180,9 +183,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         families.setdefault(name, ms)
     info["search_ms"] = families
     local = _phase(deadline, cfg, 0.6)
+    if dcp is not None:
+        found.append(candidates.pop())
+        found.sort(key=lambda c: c[0])
     for ms, name, layout in found[:2]:
         improve_layout(layout, tab, deadline=local)
         candidates.append((tab.step_ms(layout), name, layout))
+    candidates += found[2:3]
     info["search_time_s"] = deadline.elapsed() - info["homogeneous_time_s"]
     if not candidates:
         greedy = H.greedy(tab)
@@ -202,10 +209,11 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         bound = max(bound, lp.bound_ms)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
-                                      _phase(deadline, cfg, 0.95)))
+                                      _phase(deadline, cfg, 0.9)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
+    info["time_budget_s"] = cfg.time_budget_s
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
 

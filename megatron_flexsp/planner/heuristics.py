@@ -215,24 +215,34 @@ def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
     while remaining:
         free, groups, left = n, [], []
         work: dict[int, float] = {}
-        for i in remaining:
+        by_work: dict[int, list] = {}  # per size: groups by workload, least first
+        short: dict[int, list] = {}    # per size: groups without room for a longer sequence, most room first
+        for i in remaining:  # longest first: a group set aside fits again once sequences are shorter
             d = int(tab.min_size[i])
             if d == 0:
                 return None
+            s = int(tab.lens[i])
+            heap, aside = by_work.setdefault(d, []), short.setdefault(d, [])
+            while aside and -aside[0][0] >= s:
+                _, uid, g = heapq.heappop(aside)
+                heapq.heappush(heap, (work[id(g)], uid, g))
             if free >= d:  # free ranks carry no workload: the least-loaded choice
                 g = Group(d)
                 groups.append(g)
                 work[id(g)] = 0.0
                 free -= d
             else:
-                same = [g for g in groups if g.size == d and g.tokens + tab.lens[i] <= tab.cap[d]]
-                if not same:
+                while heap and heap[0][2].tokens + s > tab.cap[d]:
+                    _, uid, g = heapq.heappop(heap)
+                    heapq.heappush(aside, (-(tab.cap[d] - g.tokens), uid, g))
+                if not heap:
                     left.append(i)
                     continue
-                g = min(same, key=lambda g: (work[id(g)], g.uid))
+                g = heapq.heappop(heap)[2]
             g.seqs.append(int(i))
-            g.tokens += int(tab.lens[i])
-            work[id(g)] += float(tab.lens[i]) ** 2 / d
+            g.tokens += s
+            work[id(g)] += float(s) ** 2 / d
+            heapq.heappush(heap, (work[id(g)], g.uid, g))
         if not groups:
             return None
         while True:

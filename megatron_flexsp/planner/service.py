@@ -15,6 +15,7 @@ a value to broadcast.
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -89,19 +90,20 @@ def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, ma
             if item[0] == "taken":
                 taken = max(taken, item[1])
             else:
-                wanted[item[1]] = item[2]
+                wanted[item[1]] = (item[2], item[3])
         for k in [k for k in wanted if k <= taken]:
             del wanted[k]
         if not wanted:
             continue
         step = min(wanted)
-        lens = wanted.pop(step)
+        lens, budget_s = wanted.pop(step)
         results.put((step, _STARTED, "", 0.0))
         cpu0 = time.process_time()
         try:
             if delay_s:
                 time.sleep(delay_s)
-            plan = plan_step(np.asarray(lens), cm, strategy=strategy, config=config,
+            cfg = dataclasses.replace(config, time_budget_s=budget_s) if budget_s else config
+            plan = plan_step(np.asarray(lens), cm, strategy=strategy, config=cfg,
                              max_seq_len=max_seq_len)
             results.put((step, plan.to_json(), "", time.process_time() - cpu0))
         except Exception as exc:  # noqa: BLE001 - reported to the caller, which falls back
@@ -157,15 +159,18 @@ class PlanService:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
 
-    def request(self, step: int, lengths) -> None:
-        """Start solving step ``step`` (non-blocking; at most once per step)."""
+    def request(self, step: int, lengths, budget_s: float | None = None) -> None:
+        """Start solving step ``step`` (non-blocking; at most once per step) within ``budget_s``
+        seconds (default: the planner config's ``time_budget_s``)."""
         if step in self._pending or step in self._done:
             return
+        if budget_s is not None and not budget_s > 0:
+            raise ValueError(f"budget_s={budget_s} must be > 0 (seconds)")
         if not self.alive:
             self._restart()
         lens = np.asarray(lengths, dtype=np.int64)
         self._pending[step] = lens
-        self._requests.put(("solve", step, lens.tolist()))
+        self._requests.put(("solve", step, lens.tolist(), budget_s))
 
     def _drain(self, timeout: float) -> bool:
         """Take one message from the solver (waiting up to ``timeout``); False if none came."""
