@@ -16,7 +16,10 @@ import sys
 import time
 from collections import Counter
 
-from megatron_flexsp.config import OVER_LENGTH_POLICIES, STRATEGIES, PlannerConfig
+import importlib
+
+from megatron_flexsp.config import (BUILTIN_STRATEGIES, EXTERNAL_STRATEGIES, OVER_LENGTH_POLICIES,
+                                   STRATEGIES, PlannerConfig)
 from megatron_flexsp.cost_model import CostModel, load_profile
 from megatron_flexsp.model_spec import get_model
 from megatron_flexsp.plan import StepPlan, validate_plan
@@ -48,6 +51,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-replication", action="store_true",
                    help="GQA: allow groups larger than the KV-head count by replicating KV heads")
     p.add_argument("--json", dest="json_out", default=None, help="write plans / results as JSON")
+    p.add_argument("--time-budget", type=float, default=PlannerConfig().time_budget_s,
+                   help="flexsp planning budget per batch (seconds)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -59,6 +64,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--plot", default=None, help="Gantt chart PNG of the first batch's plan")
     sim = sub.add_parser("simulate", help="run all strategies side by side and compare step times")
     _common(sim)
+    sim.add_argument("--megatron-hybrid-cp", action="store_true",
+                     help="also run Megatron's own hybrid-CP scheduler (imports megatron-core)")
     return parser
 
 
@@ -85,7 +92,7 @@ def _setup(args) -> tuple[CostModel, list, PlannerConfig, int]:
     batches, cut = sample_batches(lengths, global_batch=args.global_batch,
                                   num_batches=args.num_batches, seed=args.seed,
                                   max_seq_len=args.max_seq_len)
-    return cm, batches, PlannerConfig(over_length=args.over_length), cut
+    return cm, batches, PlannerConfig(over_length=args.over_length, time_budget_s=args.time_budget), cut
 
 
 def _groups_text(plan: StepPlan) -> str:
@@ -103,6 +110,7 @@ def _progress(k: int, total: int, started: float) -> None:
 
 def cmd_plan(args) -> int:
     cm, batches, cfg, cut = _setup(args)
+    _load_external([args.strategy])
     plans = []
     _out(f"{'batch':>5} {'tokens':>8} {'max':>7} {'step ms':>9} {'gap':>7} {'solve s':>8}  method / groups")
     started = time.perf_counter()
@@ -128,8 +136,17 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def _load_external(strategies) -> None:
+    """Import the modules that register external strategies (they import other packages)."""
+    for s in strategies:
+        if s in EXTERNAL_STRATEGIES:
+            importlib.import_module(EXTERNAL_STRATEGIES[s])
+
+
 def cmd_simulate(args) -> int:
     cm, batches, cfg, _ = _setup(args)
+    STRATEGIES = BUILTIN_STRATEGIES + (("megatron-hybrid-cp",) if args.megatron_hybrid_cp else ())
+    _load_external(STRATEGIES)
     rows = []
     _out(f"{'batch':>5} " + " ".join(f"{s:>13}" for s in STRATEGIES) + f" {'vs static':>9} {'vs batchada':>11}")
     started = time.perf_counter()
