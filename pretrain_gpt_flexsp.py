@@ -54,7 +54,8 @@ def forward_step(data_iterator, model):
 
 def model_provider(pre_process=True, post_process=True, vp_stage=None, config=None, pg_collection=None,
                    *, settings=None, flexsp=False, backend="sdpa"):
-    """GPTModel with Megatron's local layer spec; with ``--flexsp``, FlexSP core attention."""
+    """GPTModel with Megatron's layer spec (``--transformer-impl``: Transformer Engine's or the local
+    one); with ``--flexsp`` FlexSP core attention in its ``core_attention`` slot."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.training import get_args
@@ -67,7 +68,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     norm = getattr(args, "normalization", None)
     if flexsp:
         spec = flexsp_layer_spec(backend=backend, kv_replication=settings.runtime.kv_replication,
-                                 normalization=norm, qk_layernorm=args.qk_layernorm)
+                                 normalization=norm, qk_layernorm=args.qk_layernorm,
+                                 transformer_impl=args.transformer_impl)
     else:
         spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=args.qk_layernorm)
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
@@ -77,6 +79,8 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                     share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
                     position_embedding_type=args.position_embedding_type,
                     rotary_percent=args.rotary_percent, rotary_base=args.rotary_base,
+                    rope_scaling=args.use_rope_scaling, rope_scaling_factor=args.rope_scaling_factor,
+                    seq_len_interpolation_factor=args.rotary_seq_len_interpolation_factor,
                     pg_collection=pg_collection)
 
 
@@ -103,14 +107,16 @@ def main(argv: list[str]) -> int:
     from megatron.training.training import pretrain
 
     import patches
-    from megatron_flexsp.integration.args import add_flexsp_args, check_megatron_args, load_settings
+    from megatron_flexsp.integration.args import add_flexsp_args, load_settings
+    from megatron_flexsp.integration.checks import check_megatron_args, optional_kernels
     from megatron_flexsp.integration.driver import StepDriver
+    from patches.datasets import helpers_patch
     from patches.distrib_optimizer import distrib_optimizer_patches
     from patches.schedule import save_hook_patch, schedule_patch
 
     args = parse_and_validate_args(extra_args_provider=add_flexsp_args,
                                    args_defaults={"dataloader_type": "external"})
-    check_megatron_args(args)
+    check_megatron_args(args, optional_kernels(cuda=not on_cpu))
     settings = load_settings(args.flexsp_config)
     driver = StepDriver(args, settings, on_cpu=on_cpu)
 
@@ -119,7 +125,7 @@ def main(argv: list[str]) -> int:
 
     datasets_provider.is_distributed = True
     provider = partial(model_provider, settings=settings, flexsp=driver.flexsp, backend=driver.backend)
-    active = [schedule_patch(driver), save_hook_patch(driver.on_save)]
+    active = [schedule_patch(driver), save_hook_patch(driver.on_save), helpers_patch()]
     # negative controls in the tests only: "1" leaves all optimizer fixes out, or a comma list of the
     # patched method names (e.g. "sharded_state_dict") leaves those out
     left_out = os.environ.get("FLEXSP_TEST_UNPATCHED_OPTIMIZER", "")

@@ -3,8 +3,6 @@
 - ``model_parallel_cuda_manual_seed``: installs :class:`CpuRNGStatesTracker` (same named states and
   seeds as Megatron's, held as CPU generator states) instead of asserting on CUDA.
 - ``megatron.training.training.initialize_megatron``: called with ``allow_no_cuda=True``.
-- ``megatron.core.datasets.utils.compile_helpers``: no-op (the wheel ships the built helpers and
-  no Makefile).
 - ``megatron.training.initialize._warmup_jit_function``: no-op (19 s on CPU, and it draws from the
   RNG: compared runs must agree on skipping it, and CPU mode always skips it).
 """
@@ -96,6 +94,5 @@ def cpu_patches() -> list[Patch]:
               expect_params=_SEED_PARAMS),
         Patch("megatron.training.training", "initialize_megatron", _make_init,
               expect_params=("allow_no_cuda",)),
-        Patch("megatron.core.datasets.utils", "compile_helpers", _make_noop),
         Patch("megatron.training.initialize", "_warmup_jit_function", _make_noop),
     ]

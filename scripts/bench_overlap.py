@@ -55,6 +55,7 @@ def _measure(name: str, res) -> dict:
         "sources": dict(collections.Counter(r["plan_source"] for r in res.steps)),
         "predicted_ms": statistics.median(r["predicted_ms"] for r in steps),
         "solver_cpu_ms": statistics.median(r.get("solver_cpu_ms", 0.0) for r in steps),
+        "micro_batches": statistics.median(len(r["group_sizes"]) for r in res.steps),
     }
 
 

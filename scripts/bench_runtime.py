@@ -18,10 +18,12 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from megatron_flexsp.utils.launch import worker_env  # noqa: E402
 
 
 def launch(args) -> int:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", FLEXSP_BENCH_WORKER="1")
+    env = worker_env("FLEXSP_BENCH_WORKER", OMP_NUM_THREADS="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-addr",
            "127.0.0.1", "--master-port", str(args.port), __file__, "--out", args.out,
            "--lengths", args.lengths]

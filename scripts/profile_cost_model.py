@@ -32,6 +32,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from megatron_flexsp.utils.launch import worker_env  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -46,9 +47,11 @@ def parse_args(argv=None):
     ap.add_argument("--vocab", type=int, default=384, help="padded vocabulary (Megatron pads 257 to 384)")
     ap.add_argument("--swiglu", action="store_true", default=True)
     ap.add_argument("--no-swiglu", dest="swiglu", action="store_false")
-    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                    help="auto: bf16 on GPUs, fp32 on the host")
     ap.add_argument("--backend", default="auto",
-                    help="attention backend (auto: flash on GPU when flash-attn is installed, else sdpa)")
+                    help="attention backend (auto: flash-attn for bf16 when installed, else Transformer "
+                         "Engine when installed, else sdpa; sdpa on the host)")
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
     ap.add_argument("--alltoall-bytes", default="4096,32768,262144,1048576")
     ap.add_argument("--repeats", type=int, default=3)
@@ -86,16 +89,13 @@ def megatron_fit(prof: dict, spec, world: int, run: Path, steps: list[dict]):
 
 
 def launch(args) -> int:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FLEXSP_PROFILE_WORKER="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = worker_env("FLEXSP_PROFILE_WORKER")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(args.port), __file__] + sys.argv[1:]
     return subprocess.call(cmd, env=env, cwd=ROOT)
 
 
 def worker(args) -> int:
-    import importlib.util
-
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -106,6 +106,7 @@ def worker(args) -> int:
     from megatron_flexsp.cost_model.profile import parse_profile
     from megatron_flexsp.model_spec import ModelSpec
     from megatron_flexsp.runtime import profiler as P
+    from megatron_flexsp.runtime.attention import choose_backend, installed_backends
     from megatron_flexsp.runtime.groups import SPGroupPool
     from megatron_flexsp.topology import ClusterSpec, candidate_group_sizes
     from megatron_flexsp.utils.logging import get_logger
@@ -113,13 +114,12 @@ def worker(args) -> int:
     log = get_logger("flexsp.profile")
     device, rank, world = P.init_job()
     cuda = device.type == "cuda"
-    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    dtype = torch.bfloat16 if args.dtype == "bf16" or (args.dtype == "auto" and cuda) else torch.float32
     spec = ModelSpec(f"gpt-{args.layers}x{args.hidden}-{args.heads}h", args.layers, args.hidden, args.heads,
                      num_kv_heads=args.kv_heads or args.heads, ffn_hidden_size=args.ffn,
                      vocab_size=args.vocab, dtype_bytes=2 if dtype == torch.bfloat16 else 4,
                      swiglu=args.swiglu)
-    flash = cuda and importlib.util.find_spec("flash_attn") is not None
-    backend = args.backend if args.backend != "auto" else ("flash" if flash else "sdpa")
+    backend = choose_backend(args.backend, cuda=cuda, dtype=dtype, installed=installed_backends(cuda))
     cluster = ClusterSpec(world, args.gpus_per_node)
     sizes = candidate_group_sizes(cluster, num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads)
     pool = SPGroupPool(cluster, sizes, singletons=True, device=device)
@@ -131,8 +131,18 @@ def worker(args) -> int:
             log.info("%s", msg)
 
     t_start = time.perf_counter()
-    lengths = [int(x) for x in args.lengths.split(",")]
+    asked = [int(x) for x in args.lengths.split(",")]
     own = pool.get((rank,))
+    # activations of a short sequence first: then only lengths whose activations the device holds
+    act = P.activation_bytes_per_token(model, min(asked), group=own, backend=backend, device=device,
+                                       vocab=spec.vocab_size)
+    capacity = P.device_capacity_tokens(model, act, device)
+    lengths = P.lengths_that_fit(asked, 1, capacity)
+    if len(lengths) < 3:
+        raise ValueError(f"only {lengths} of the lengths {asked} fit one rank ({capacity} tokens of "
+                         f"{act:.0f} bytes each); give shorter --lengths or fewer --layers")
+    if len(lengths) < len(asked):
+        progress(f"one rank holds {capacity} tokens: profiling lengths up to {lengths[-1]} on one rank")
     times = P.time_sequences(model, lengths, group=own, repeats=args.repeats, backend=backend,
                              device=device, vocab=spec.vocab_size, progress=progress)
     act = P.activation_bytes_per_token(model, lengths[-1], group=own, backend=backend, device=device,
@@ -147,9 +157,10 @@ def worker(args) -> int:
         block = tuple(range(rank // d * d, rank // d * d + d))
         a2a[d] = P.time_alltoall(pool.get(block), nbytes, repeats=args.repeats, device=device,
                                  progress=progress)
-        grouped[d] = P.time_sequences(model, lengths, group=pool.get(block), repeats=args.repeats,
-                                      backend=backend, device=device, vocab=spec.vocab_size,
-                                      progress=progress)
+        fits = P.lengths_that_fit(asked, d, capacity)
+        grouped[d] = (fits, P.time_sequences(model, fits, group=pool.get(block), repeats=args.repeats,
+                                             backend=backend, device=device, vocab=spec.vocab_size,
+                                             progress=progress))
     if rank == 0:
         stack_act = act
         run_steps = []
@@ -164,8 +175,8 @@ def worker(args) -> int:
         kernel_fit = cfit
         cfit, disp_fixed, disp_rate = with_dispatch(cfit, dispatch_tokens, dispatch_ms)
         afits = []
-        for d, ms in grouped.items():  # effective all-to-all: group time beyond its compute share
-            s = np.asarray(lengths, dtype=np.float64)
+        for d, (fits, ms) in grouped.items():  # effective all-to-all: group time beyond compute
+            s = np.asarray(fits, dtype=np.float64)
             share = kernel_fit.time_ms(s, d)
             sent = (2.0 * spec.num_layers * spec.alltoall_elems_per_token() * spec.dtype_bytes
                     * (s / d) * (d - 1) / d)
@@ -195,7 +206,9 @@ def worker(args) -> int:
                                f"to fit {tfit.steps} steps of the Megatron run {args.megatron_run}")
             prof["models"][spec.name]["fit"]["megatron_run"] = vars(tfit)
         prof["measurements"] = {
-            "lengths": lengths, "compute_ms": times, "group_compute_ms": {str(d): v for d, v in grouped.items()},
+            "lengths": lengths, "compute_ms": times,
+            "group_lengths": {str(d): v[0] for d, v in grouped.items()},
+            "group_compute_ms": {str(d): v[1] for d, v in grouped.items()},
             "dispatch_tokens": dispatch_tokens, "dispatch_ms": dispatch_ms,
             "dispatch_fit": {"fixed_ms": disp_fixed, "ms_per_token": disp_rate},
             "alltoall_bytes": nbytes, "alltoall_ms": {str(d): v for d, v in a2a.items()},

@@ -9,4 +9,5 @@ echo --num-layers 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 2
   --seed ${SEED:-1234} --tokenizer-type NullTokenizer --vocab-size 257 \
   --calculate-per-token-loss --use-distributed-optimizer --use-cpu-initialization \
   --log-interval 1 --eval-iters 0 --eval-interval 1000000 --ckpt-format torch --no-gradient-accumulation-fusion \
+  --transformer-impl local \
   --no-rope-fusion --no-masked-softmax-fusion --no-bias-swiglu-fusion --no-bias-dropout-fusion --no-persist-layer-norm

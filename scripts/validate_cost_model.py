@@ -21,6 +21,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from megatron_flexsp.utils.launch import worker_env  # noqa: E402
 
 
 def parse_args():
@@ -35,6 +36,7 @@ def parse_args():
     ap.add_argument("--lengths", default=str(ROOT.parent / "shared" / "seqlen" / "flexsp_wikipedia_seqlens.txt"))
     ap.add_argument("--length-scale", type=float, default=0.5, help="multiply sampled lengths by this")
     ap.add_argument("--repeats", type=int, default=3, help="timed runs per plan (median reported)")
+    ap.add_argument("--backend", default="auto", help="attention backend (auto: as in training)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=29534)
     ap.add_argument("--out", default="out/validate_cost_model.json")
@@ -65,6 +67,7 @@ def worker(args) -> int:
     from megatron_flexsp.model_spec import ModelSpec
     from megatron_flexsp.planner import plan_step
     from megatron_flexsp.runtime import profiler as P
+    from megatron_flexsp.runtime.attention import choose_backend, installed_backends
     from megatron_flexsp.runtime.executor import run_step
     from megatron_flexsp.runtime.groups import SPGroupPool
 
@@ -81,8 +84,9 @@ def worker(args) -> int:
     cm = CostModel.from_profile(profile, spec, num_gpus=world, max_seq_len=1 << 20)
     pool = SPGroupPool(cm.cluster, cm.sizes, singletons=True, device=device)
     torch.manual_seed(0)
-    model = P.SpecStack(spec).to(device)
-    backend = "flash" if cuda else "sdpa"
+    dtype = torch.bfloat16 if spec.dtype_bytes == 2 else torch.float32  # as the profile was measured
+    model = P.SpecStack(spec).to(device=device, dtype=dtype)
+    backend = choose_backend(args.backend, cuda=cuda, dtype=dtype, installed=installed_backends(cuda))
     batches = sample_lengths(args, cm.max_tokens)
     cfg = PlannerConfig(over_length="truncate")
     records = []
@@ -212,8 +216,7 @@ def main() -> int:
     args = parse_args()
     if os.environ.get("FLEXSP_VALIDATE_WORKER") == "1":
         return worker(args)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), FLEXSP_VALIDATE_WORKER="1")
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env = worker_env("FLEXSP_VALIDATE_WORKER")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
            "--master-addr", "127.0.0.1", "--master-port", str(args.port), __file__] + sys.argv[1:]
     return subprocess.call(cmd, env=env, cwd=ROOT)

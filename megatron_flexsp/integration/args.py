@@ -15,7 +15,7 @@ from pathlib import Path
 
 from megatron_flexsp.config import OVER_LENGTH_POLICIES, SOLVER_PRIORITIES, STRATEGIES, PlannerConfig
 from megatron_flexsp.integration.cpu_mode import CPU_MODES
-from megatron_flexsp.runtime.attention import BACKENDS
+from megatron_flexsp.runtime.attention import BACKENDS, choose_backend, installed_backends
 
 #: Every flag this plugin adds to Megatron's parser.
 FLEXSP_FLAGS = ("--flexsp", "--flexsp-config", "--flexsp-profile", "--flexsp-over-length",
@@ -56,11 +56,15 @@ class RuntimeSettings:
             raise ValueError(f"runtime.attention_backend={self.attention_backend!r} must be one of "
                              f"{ATTENTION_BACKENDS}")
 
-    def backend(self, on_cpu: bool) -> str:
-        """The attention backend to use: ``auto`` is ``sdpa`` on CPU and ``flash`` on GPU."""
-        if self.attention_backend != "auto":
-            return self.attention_backend
-        return "sdpa" if on_cpu else "flash"
+    def backend(self, on_cpu: bool, dtype, transformer_impl: str = "local") -> str:
+        """The attention backend for this machine and activation dtype (:func:`choose_backend`:
+        ``auto`` is flash-attn for fp16/bf16 when installed, else Transformer Engine when installed,
+        else SDPA; SDPA on CPU). With Transformer Engine's layers (``transformer_impl``) ``auto`` is
+        its fused attention. An explicit backend that cannot run raises ``ValueError``."""
+        installed = installed_backends(not on_cpu)
+        if self.attention_backend == "auto" and transformer_impl == "transformer_engine" and installed["te"]:
+            return "te"
+        return choose_backend(self.attention_backend, cuda=not on_cpu, dtype=dtype, installed=installed)
 
 
 @dataclass(frozen=True)
@@ -149,39 +153,3 @@ def load_settings(path: str | None) -> FlexSPSettings:
     strategy = planner.pop("strategy", "flexsp")
     return FlexSPSettings(PlannerConfig.from_dict(planner), RuntimeSettings(**runtime), strategy,
                           PlanningSettings(**planning))
-
-
-# (attribute, bad-value predicate, what to say)
-_UNSUPPORTED = (
-    ("pipeline_model_parallel_size", lambda v: v not in (None, 1), "pipeline parallelism"),
-    ("virtual_pipeline_model_parallel_size", lambda v: v not in (None, 1), "virtual pipeline stages"),
-    ("tensor_model_parallel_size", lambda v: v not in (None, 1),
-     "tensor parallelism (not supported together with --flexsp yet)"),
-    ("context_parallel_size", lambda v: v not in (None, 1),
-     "Megatron context parallelism (--flexsp forms its own sequence-parallel groups)"),
-    ("hybrid_context_parallel", bool, "Megatron's hybrid/dynamic context parallelism"),
-    ("expert_model_parallel_size", lambda v: v not in (None, 1), "expert parallelism"),
-    ("num_experts", lambda v: v not in (None, 0), "mixture of experts"),
-    ("sequence_parallel", bool, "Megatron sequence parallelism (needs tensor parallelism)"),
-    ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs"),
-    ("micro_batch_size", lambda v: v not in (None, 1),
-     "--micro-batch-size other than 1 (FlexSP forms its own micro-batches)"),
-)
-
-
-def check_megatron_args(args) -> None:
-    """Refuse Megatron options our data path or ``--flexsp`` cannot honour, naming the option."""
-    problems = []
-    if not getattr(args, "calculate_per_token_loss", False):
-        problems.append("--calculate-per-token-loss is required (per-token loss over the global batch)")
-    if getattr(args, "dataloader_type", None) != "external":
-        problems.append(f"--dataloader-type {args.dataloader_type} (this script's document sampler "
-                        f"needs 'external')")
-    if getattr(args, "flexsp", False):
-        for attr, bad, what in _UNSUPPORTED:
-            value = getattr(args, attr, None)
-            if bad(value):
-                problems.append(f"--{attr.replace('_', '-')}={value}: {what}")
-    if problems:
-        raise ValueError("unsupported Megatron options" + (" with --flexsp" if args.flexsp else "")
-                         + ":\n  " + "\n  ".join(problems))

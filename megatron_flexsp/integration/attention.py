@@ -55,8 +55,8 @@ class FlexSPCoreAttention(MegatronModule):
             raise RuntimeError("FlexSP core attention needs FlexSPPackedSeqParams with a layout "
                                "(is the --flexsp data path active?)")
         if layout.size == 1:
-            cu = layout.cu_seqlens.to(query.device)
-            out = varlen_causal_attention(query, key, value, cu, backend=self.backend, scale=self.scale)
+            out = varlen_causal_attention(query, key, value, layout.cu_list, backend=self.backend,
+                                          scale=self.scale, cu_device=layout.cu_seqlens_i32)
         else:
             out = ulysses_attention(query, key, value, group=packed_seq_params.cp_group, layout=layout,
                                     backend=self.backend, kv_replication=self.kv_replication,
@@ -65,15 +65,24 @@ class FlexSPCoreAttention(MegatronModule):
 
 
 def flexsp_layer_spec(*, backend: str, kv_replication: bool = False, normalization: str | None = None,
-                      qk_layernorm: bool = False) -> ModuleSpec:
-    """Megatron's local GPT layer spec with :class:`FlexSPCoreAttention` as core attention."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+                      qk_layernorm: bool = False, transformer_impl: str = "local") -> ModuleSpec:
+    """Megatron's GPT layer spec with :class:`FlexSPCoreAttention` as core attention.
 
-    spec = get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    ``transformer_impl``: ``transformer_engine`` (Megatron's default; Transformer Engine's fused
+    layer norms, linears and MLP) or ``local`` (Megatron's own modules, also on the host)."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    if transformer_impl == "transformer_engine":
+        spec = specs.get_gpt_layer_with_transformer_engine_spec(qk_layernorm=qk_layernorm)
+    elif transformer_impl == "local":
+        spec = specs.get_gpt_layer_local_spec(normalization=normalization, qk_layernorm=qk_layernorm)
+    else:
+        raise ValueError(f"--transformer-impl {transformer_impl}: --flexsp builds 'transformer_engine' "
+                         f"or 'local' layers")
     attn = spec.submodules.self_attention
     if not hasattr(attn, "submodules") or not hasattr(attn.submodules, "core_attention"):
-        raise RuntimeError("Megatron's local GPT layer spec has no self_attention.submodules."
-                           "core_attention; this plugin was written for megatron-core 0.19")
+        raise RuntimeError(f"Megatron's {transformer_impl} GPT layer spec has no self_attention."
+                           f"submodules.core_attention; this plugin was written for megatron-core 0.19")
     attn.submodules.core_attention = ModuleSpec(
         module=FlexSPCoreAttention, params={"backend": backend, "kv_replication": kv_replication})
     return spec

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
 import json
 import re
 import time
@@ -23,6 +24,7 @@ import torch.distributed as dist
 from megatron_flexsp.cost_model import CostModel, load_profile
 from megatron_flexsp.integration.args import FlexSPSettings
 from megatron_flexsp.integration.data import DocumentSampler, DocumentSource, open_indexed
+from megatron_flexsp.integration.records import StepRecorder
 from megatron_flexsp.integration.microbatches import (flexsp_micro_batches, placeholder_micro_batch,
                                                       plain_micro_batches)
 from megatron_flexsp.model_spec import ModelSpec
@@ -32,6 +34,7 @@ from megatron_flexsp.planner.service import PlanService
 from megatron_flexsp.runtime.agreement import check_agreement
 from megatron_flexsp.runtime.groups import SPGroupPool
 from megatron_flexsp.runtime.plan_check import check_plan
+from megatron_flexsp.runtime.device import synchronize
 from megatron_flexsp.runtime.profiler import SavedTensorMeter
 from megatron_flexsp.utils.logging import get_logger
 
@@ -51,6 +54,11 @@ def model_spec_from_args(args) -> ModelSpec:
                      learned_positions=args.position_embedding_type == "learned_absolute")
 
 
+def params_dtype(args) -> torch.dtype:
+    """The activation dtype Megatron trains with (``--bf16`` / ``--fp16``, else fp32)."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def data_prefixes(args) -> list[str]:
     """``--data-path`` as a list of prefixes; weighted blends are refused."""
     paths = list(args.data_path or [])
@@ -63,10 +71,11 @@ def data_prefixes(args) -> list[str]:
 
 
 class _SwitchingIterator:
-    """Yields micro-batches and makes each one's group the context-parallel group as it is taken."""
+    """Yields micro-batches and makes each one's group the context-parallel group as it is taken;
+    with a ``meter``, starts its next micro-batch (for the activation peak per token)."""
 
-    def __init__(self, items, switch) -> None:
-        self._items, self._switch, self._next = items, switch, 0
+    def __init__(self, items, switch, meter=None) -> None:
+        self._items, self._switch, self._next, self._meter = items, switch, 0, meter
         self.switch_s = 0.0
 
     def __iter__(self):
@@ -77,6 +86,8 @@ class _SwitchingIterator:
             raise StopIteration
         item = self._items[self._next]
         self._next += 1
+        if self._meter is not None:
+            self._meter.micro_batch(0 if item.placeholder else int(item.tokens.numel()))
         if item.packed_seq_params is not None and self._switch is not None:
             t0 = time.perf_counter()
             self._switch.use(item.group, item.ranks)
@@ -121,7 +132,8 @@ class StepDriver:
                     f"num_heads={m.num_heads} and num_kv_heads={m.num_kv_heads} and align with "
                     f"{profile.gpus_per_node} ranks per node; profile {profile.name!r}); lower "
                     f"--seq-length, add ranks or use --flexsp-over-length with a smaller length")
-        self.backend = settings.runtime.backend(on_cpu)
+        self.backend = settings.runtime.backend(on_cpu, params_dtype(args),
+                                                getattr(args, "transformer_impl", "local"))
         self.pool = None
         self.switch = None
         self.schedule = None
@@ -130,8 +142,8 @@ class StepDriver:
         self.solver_cpu_s = 0.0  # rank 0: CPU time of the solver process's solves taken this step
         self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
                                                      else "flexsp_out"))
-        self._pictured = False
-        self.run_totals = {"steps": 0, "documents": 0, "tokens": 0, "truncated_documents": 0}
+        self.recorder = StepRecorder(self.out_dir, self.cm, settings.strategy if self.flexsp else "plain")
+        self._training = None  # megatron.training.training, looked up at the first step
 
     # ------------------------------------------------------------------ data
     def data_iterator(self):
@@ -166,7 +178,7 @@ class StepDriver:
         rec = {"format": DATA_STATE_FORMAT, "version": 1, "iteration": iteration,
                "next_step": iteration, "documents_consumed": consumed, "epoch": consumed // usable,
                "position_in_epoch": consumed % usable, "sampler": self.sampler_state(),
-               "dataset": self.sampler.acct.to_dict(), "this_run": dict(self.run_totals)}
+               "dataset": self.sampler.acct.to_dict(), "this_run": dict(self.recorder.totals)}
         folder = Path(self.args.save) / f"iter_{iteration:07d}"
         folder = folder if folder.is_dir() else self.out_dir
         folder.mkdir(parents=True, exist_ok=True)
@@ -174,7 +186,7 @@ class StepDriver:
         log.info("data accounting at iteration %d: %d documents consumed (epoch %d, %d/%d), this run "
                  "%d documents, %d truncated; dataset: %d dropped short, %d dropped long", iteration,
                  consumed, rec["epoch"], rec["position_in_epoch"], usable,
-                 self.run_totals["documents"], self.run_totals["truncated_documents"],
+                 self.recorder.totals["documents"], self.recorder.totals["truncated_documents"],
                  self.sampler.acct.dropped_too_short, self.sampler.acct.dropped_too_long)
 
     def check_resume(self) -> None:
@@ -201,12 +213,17 @@ class StepDriver:
         from patches.context_parallel import ContextParallelSwitch
         from patches.schedule import megatron_no_pipelining
 
+        import megatron.training.training as training
+
+        self._training = training
+        if not hasattr(training, "update_seqlen_stats_from_cu_seqlens"):
+            log.warning("this megatron-core has no update_seqlen_stats_from_cu_seqlens: its TFLOP/s "
+                        "count every document as a full --seq-length")
         self.switch = ContextParallelSwitch(model)
         self.schedule = megatron_no_pipelining()  # checked once, not every step
         if self.flexsp:
             minutes = getattr(self.args, "distributed_timeout_minutes", None) or 10
-            self.pool = SPGroupPool(self.cm.cluster, self.cm.sizes, singletons=True,
-                                    device=torch.device("cpu") if self.on_cpu else None,
+            self.pool = SPGroupPool(self.cm.cluster, self.cm.sizes, singletons=True, device=self.device,
                                     timeout=datetime.timedelta(minutes=minutes))
             log.info("group pool: sizes %s on %d ranks (%d per node), attention %s",
                      self.cm.sizes, self.cm.cluster.num_gpus, self.cm.cluster.gpus_per_node,
@@ -312,16 +329,20 @@ class StepDriver:
         else:
             items = plain_micro_batches(batch, rank=rank, world=world, seq_length=self.args.seq_length,
                                         micro_batch_size=self.args.micro_batch_size, device=device)
+        if not forward_only:
+            self._count_real_tokens(items, rank)
+        synchronize(device)
         t0 = time.perf_counter()
-        feed = _SwitchingIterator(items, self.switch)
         # the first step also measures the Megatron model's activation bytes per token held
         meter = SavedTensorMeter([p for c in chunks for p in c.parameters()]) if self.measure else None
+        feed = _SwitchingIterator(items, self.switch, meter)
         try:
             with meter or contextlib.nullcontext():
                 out = self.schedule(
                     forward_step_func=forward_step_func, data_iterator=feed,
                     model=model, num_microbatches=len(items), seq_length=seq_length,
                     micro_batch_size=micro_batch_size, forward_only=forward_only, **kwargs)
+            synchronize(device)
         finally:
             self.switch.restore()
         run_s = time.perf_counter() - t0
@@ -329,66 +350,39 @@ class StepDriver:
         act = 0.0
         if meter is not None:
             self.measure = False
-            local = sum(int(it.tokens.numel()) for it in items if not getattr(it, "placeholder", False))
-            act = meter.bytes / local if local else 0.0
+            act = meter.peak_per_token
         self._report(batch, plan, out, len(items), run_s, plan_s, dispatch_s, feed.switch_s, placeholder,
                      source, act)
         return out
 
+    def _count_real_tokens(self, items, rank: int) -> None:
+        """Megatron's TFLOP/s from the real document lengths: each document once (by the first rank
+        of its group), through Megatron's own per-iteration ``sum L`` and ``sum L^2`` accumulator."""
+        update = getattr(self._training, "update_seqlen_stats_from_cu_seqlens", None)
+        if update is None:
+            return
+        for item in items:
+            if item.placeholder or (item.ranks and item.ranks[0] != rank):
+                continue
+            lens = item.real_lengths
+            update(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=self.device))
+
     def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, switch_s,
                 placeholder, source, act_bytes_per_token: float = 0.0) -> None:
-        sums = torch.zeros(3, dtype=torch.float64)
+        sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors
         for d in out or []:
-            v = d["lm loss"].detach().view(-1).double().cpu()
+            v = d["lm loss"].detach().view(-1).double().to(self.device)
             sums[0] += v[0]
             sums[1] += v[1]
         sums[2] = float(placeholder)
         worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items), switch_s, act_bytes_per_token],
-                             dtype=torch.float64)
+                             dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
         if dist.get_rank() != 0:
             return
-        for key, value in (("steps", 1), ("documents", len(batch.lengths)), ("tokens", int(sums[1])),
-                           ("truncated_documents", batch.truncated)):
-            self.run_totals[key] += value
-        rec = {"step": batch.step, "mode": self.settings.strategy if self.flexsp else "plain",
-               "loss": float(sums[0] / max(sums[1], 1.0)), "tokens": int(sums[1]),
-               "documents": len(batch.lengths), "truncated": batch.truncated,
-               "run_ms": 1e3 * float(worst[0]), "plan_wait_ms": 1e3 * float(worst[1]),
-               "dispatch_ms": 1e3 * float(worst[2]), "switch_ms": 1e3 * float(worst[4]),
-               "max_micro_batches_per_rank": int(worst[3]),
-               "idle_ranks": int(sums[2])}
-        if worst[5] > 0:
-            rec["activation_bytes_per_token"] = float(worst[5])
-            model_value = self.cm.coeffs.activation_bytes_per_token if self.cm is not None else None
-            log.info("activation memory of the Megatron model, measured in step %d: %.0f bytes per token "
-                     "held (cost model: %s)", batch.step, float(worst[5]),
-                     "n/a" if model_value is None else f"{model_value:.0f}")
-        if plan is not None:
-            rec.update(plan_source=source, predicted_ms=plan.predicted_step_ms,
-                       plan_budget_s=plan.info.get("time_budget_s"),
-                       solver_cpu_ms=1e3 * self.solver_cpu_s,
-                       gap=plan.gap if plan.lower_bound_ms > 0 else None, method=plan.method,
-                       group_sizes=plan.group_sizes, solve_s=plan.solve_time_s)
-            log.info("%s step %d: %d micro-batches, groups %s, plan by %s (%s, gap %s), predicted %.0f "
-                     "ms, measured %.0f ms (plan wait %.0f ms, dispatch %.0f ms), loss %.4f",
-                     rec["mode"], batch.step, len(plan.micro_batches), plan.group_sizes, source,
-                     plan.method, "n/a" if rec["gap"] is None else f"{100 * rec['gap']:.1f}%",
-                     plan.predicted_step_ms, rec["run_ms"],
-                     rec["plan_wait_ms"], rec["dispatch_ms"], rec["loss"])
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        with open(self.out_dir / "steps.jsonl", "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        if plan is not None:
-            with open(self.out_dir / "plans.jsonl", "a") as f:
-                f.write(plan.to_json() + "\n")
-            if not self._pictured:
-                from megatron_flexsp.viz import plot_plan
-
-                path = self.out_dir / f"plan_step{batch.step}.png"
-                plot_plan(plan, self.cm, str(path), title=f"step {batch.step}: "
-                          f"{len(batch.lengths)} documents on {plan.num_gpus} ranks")
-                log.info("plan picture: %s", path)
-                self._pictured = True
-
+        sums, worst = sums.tolist(), worst.tolist()
+        self.recorder.record(batch, plan, loss_sum=sums[0], tokens=int(sums[1]), idle_ranks=int(sums[2]),
+                             worst=dict(zip(("run_s", "plan_s", "dispatch_s", "micro_batches", "switch_s"),
+                                            worst[:5])),
+                             source=source, solver_cpu_s=self.solver_cpu_s, act_bytes_per_token=worst[5])

@@ -18,6 +18,7 @@ import torch
 from megatron_flexsp.integration.attention import FlexSPPackedSeqParams
 from megatron_flexsp.integration.data import GlobalBatch
 from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.runtime.device import synchronize
 from megatron_flexsp.runtime.dispatch import dispatch, owner
 from megatron_flexsp.runtime.layout import build_group_layout, local_positions, padded_length
 
@@ -35,24 +36,26 @@ class MicroBatch:
     ranks: tuple[int, ...] = ()
     group: object = None
     placeholder: bool = False  # a rank with no work this step runs 2 masked tokens
+    real_lengths: tuple[int, ...] = ()  # the documents' trained lengths (for Megatron's TFLOP/s)
 
 
 def _flexsp_item(rows: torch.Tensor, lens: list[int], ranks: tuple[int, ...], group, rank: int,
                  max_position: int, device) -> MicroBatch:
     d = len(ranks)
-    layout = build_group_layout(lens, d)
+    layout = build_group_layout(lens, d).to(device)  # once per micro-batch: no copies per layer
     pos = local_positions(lens, d, ranks.index(rank)).to(device)
     counts = [padded_length(L, d) // d for L in lens]
     per_row_len = torch.repeat_interleave(torch.tensor(lens), torch.tensor(counts)).to(device)
     mask = (pos < per_row_len).float()
-    cu = layout.cu_seqlens.to(device=device, dtype=torch.int32)
-    max_len = int((layout.cu_seqlens[1:] - layout.cu_seqlens[:-1]).max())
+    cu = layout.cu_seqlens_i32
+    max_len = layout.max_seqlen
     psp = FlexSPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                                 cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, max_seqlen_q=max_len,
                                 max_seqlen_kv=max_len, local_cp_size=d, cp_group=group,
                                 flexsp_layout=layout)
     return MicroBatch(rows[:, 0].unsqueeze(0), rows[:, 1].unsqueeze(0), mask.unsqueeze(0),
-                      pos.clamp(max=max_position - 1).unsqueeze(0), None, psp, ranks, group)
+                      pos.clamp(max=max_position - 1).unsqueeze(0), None, psp, ranks, group,
+                      real_lengths=tuple(lens))
 
 
 def placeholder_micro_batch(rank: int, group, device) -> MicroBatch:
@@ -80,6 +83,7 @@ def flexsp_micro_batches(plan: StepPlan, batch: GlobalBatch, *, pool, rank: int,
         groups = [(g.ranks, g.seqs) for g in mb.groups]
         t0 = time.perf_counter()
         rows = dispatch(groups, lengths, batch.loaded, trailing=(2,), device=device)
+        synchronize(device)
         spent += time.perf_counter() - t0
         for g in mb.groups:
             if rank in g.ranks:
@@ -132,5 +136,6 @@ def plain_micro_batches(batch: GlobalBatch, *, rank: int, world: int, seq_length
         causal = torch.ones(seq_length, seq_length, dtype=torch.bool).tril()
         allowed = (doc[:, :, None] == doc[:, None, :]) & causal
         items.append(MicroBatch(tokens.to(device), labels.to(device), loss_mask.to(device),
-                                position_ids.to(device), (~allowed).unsqueeze(1).to(device)))
+                                position_ids.to(device), (~allowed).unsqueeze(1).to(device),
+                                real_lengths=tuple(lens[i] for members in chunk for i in members)))
     return items

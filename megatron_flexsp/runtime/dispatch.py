@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_flexsp.runtime.layout import build_group_layout, padded_length
+from megatron_flexsp.runtime.layout import padded_length
 
 
 def owner(seq: int, world: int) -> int:
@@ -25,11 +25,12 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
     """This rank's packed shards for one micro-batch (collective over the world group).
 
     ``groups``: the micro-batch's (ranks, sequences); ``loaded``: the sequences this rank owns,
-    ``{s: x[L_s, *trailing]}`` (e.g. tokens and labels stacked as ``[L, 2]``, in one all-to-all).
-    Returns ``[t, *trailing]``: the rank's rows in its packing order, padding filled with
-    ``pad_value`` (a scalar or one value per trailing column); empty if the rank runs nothing.
-    ``trailing``, ``dtype`` and ``device`` must be given alike on every rank (some ranks load
-    nothing); with NCCL the device is the rank's GPU.
+    ``{s: x[L_s, *trailing]}`` on the host (e.g. tokens and labels stacked as ``[L, 2]``, in one
+    all-to-all). Returns ``[t, *trailing]`` on ``device``: the rank's rows in its packing order,
+    padding filled with ``pad_value`` (a scalar or one value per trailing column); empty if the
+    rank runs nothing. The send buffer is assembled on the host and copied to the device once per
+    micro-batch. ``trailing``, ``dtype`` and ``device`` must be given alike on every rank (some
+    ranks load nothing); with NCCL the device is the rank's GPU.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     row = 1
@@ -37,27 +38,26 @@ def dispatch(groups: list[tuple[tuple[int, ...], tuple[int, ...]]], lengths: lis
         row *= t
     send: list[list[torch.Tensor]] = [[] for _ in range(world)]
     recv_counts = [0] * world
+    pad = torch.as_tensor(pad_value, dtype=dtype)
     for ranks, seqs in groups:
         d = len(ranks)
         for s in seqs:
-            lay = build_group_layout([lengths[s]], d)
-            src = owner(s, world)
-            for r, dest in enumerate(ranks):
-                pos = lay.local_index[r]
-                if rank == src:
-                    if s not in loaded:
-                        raise ValueError(f"rank {rank} should own sequence {s} but did not load it")
-                    full = torch.empty((int(lay.cu_seqlens[-1]),) + tuple(trailing), dtype=dtype,
-                                       device=device)
-                    full[:] = torch.as_tensor(pad_value, dtype=dtype, device=device)
-                    full[:lengths[s]] = loaded[s].to(device)
-                    pos = pos.to(device)
-                    send[dest].append(full[pos])
-                if rank == dest:
-                    recv_counts[src] += len(pos)
+            length, src = lengths[s], owner(s, world)
+            chunk = padded_length(length, d) // (2 * d)
+            if rank == src:
+                if s not in loaded:
+                    raise ValueError(f"rank {rank} should own sequence {s} but did not load it")
+                full = torch.empty((2 * d * chunk,) + tuple(trailing), dtype=dtype)
+                full[:] = pad
+                full[:length] = loaded[s].to(dtype)
+                for r, dest in enumerate(ranks):  # chunks r and 2d-1-r (the load-balanced layout)
+                    send[dest] += [full[r * chunk:(r + 1) * chunk],
+                                   full[(2 * d - 1 - r) * chunk:(2 * d - r) * chunk]]
+            if rank in ranks:
+                recv_counts[src] += 2 * chunk
     send_sizes = [int(sum(len(x) for x in chunks)) for chunks in send]
     flat = (torch.cat([x for chunks in send for x in chunks]) if any(send_sizes)
-            else torch.empty((0,) + tuple(trailing), dtype=dtype, device=device))
+            else torch.empty((0,) + tuple(trailing), dtype=dtype)).to(device)
     recv = torch.empty((sum(recv_counts),) + tuple(trailing), dtype=dtype, device=device)
     dist.all_to_all_single(recv.view(-1), flat.reshape(-1), output_split_sizes=[c * row for c in recv_counts],
                            input_split_sizes=[c * row for c in send_sizes])

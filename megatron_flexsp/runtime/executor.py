@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.runtime.device import synchronize
 from megatron_flexsp.runtime.dispatch import dispatch
 from megatron_flexsp.runtime.layout import build_group_layout, local_positions
 from megatron_flexsp.runtime.plan_check import check_plan
@@ -46,6 +47,7 @@ def run_step(plan: StepPlan, *, pool, rank: int, loaded: dict[int, torch.Tensor]
         t0 = time.perf_counter()
         rows = dispatch(groups, lengths, loaded, pad_value=pad_value, trailing=trailing, dtype=dtype,
                         device=device)
+        synchronize(device)
         stats.dispatch_s += time.perf_counter() - t0
         for g in mb.groups:
             if rank not in g.ranks:
@@ -53,12 +55,13 @@ def run_step(plan: StepPlan, *, pool, rank: int, loaded: dict[int, torch.Tensor]
             t0 = time.perf_counter()
             group = pool.get(g.ranks)
             lens = [lengths[s] for s in g.seqs]
-            layout = build_group_layout(lens, g.size)
+            layout = build_group_layout(lens, g.size).to(device)
             r = g.ranks.index(rank)
             positions = local_positions(lens, g.size, r).to(device)
             t1 = time.perf_counter()
             stats.switch_s += t1 - t0
             stats.loss_sum += float(run_group(rows, positions, group, layout))
+            synchronize(device)
             stats.run_s += time.perf_counter() - t1
             stats.group_sizes.append(g.size)
     return stats

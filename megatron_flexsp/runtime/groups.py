@@ -6,6 +6,7 @@ rank belongs to (communicators are created lazily; a first use mid-step would st
 only looks groups up. Size-1 groups need no communicator and are represented by ``None``, unless
 ``singletons`` asks for real one-rank groups (Megatron's THD RoPE reads size and rank from a group).
 ``timeout`` bounds every collective on these groups (a peer that never arrives raises, not hangs).
+The warm-up tensors live on ``device`` (default: the rank's GPU under NCCL, else the host).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import datetime
 import torch
 import torch.distributed as dist
 
+from megatron_flexsp.runtime.device import comm_device
 from megatron_flexsp.topology import ClusterSpec, all_group_blocks
 
 
@@ -39,7 +41,7 @@ class SPGroupPool:
                 continue
             self._groups[block] = dist.new_group(list(block), timeout=timeout)  # every rank, same order
         if warmup:
-            dev = device or torch.device("cpu")
+            dev = device or comm_device()
             for block, group in self._groups.items():
                 if group is not None and self.rank in block and len(block) > 1:
                     dist.all_reduce(torch.ones(1, device=dev), group=group)

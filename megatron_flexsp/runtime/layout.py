@@ -8,7 +8,7 @@ where causal attention never lets a real token see it; it is masked out of the l
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -44,6 +44,9 @@ class GroupLayout:
     ``gather_index``: natural-order row of every row after :func:`seq_to_head` (ranks in order).
     ``natural_index``: its inverse (gathered row of every natural-order row).
     ``valid``: natural-order rows that are real tokens (not padding).
+    ``cu_list`` / ``max_seqlen``: the boundaries and the longest padded sequence as Python ints, so
+    attention never reads them back from a device. :meth:`to` moves the index tensors to a device
+    once per micro-batch (and adds the int32 boundaries the GPU kernels take, ``cu_seqlens_i32``).
     """
 
     lengths: tuple[int, ...]
@@ -53,10 +56,24 @@ class GroupLayout:
     gather_index: torch.Tensor
     natural_index: torch.Tensor
     valid: torch.Tensor
+    cu_list: tuple[int, ...] = ()
+    max_seqlen: int = 0
+    cu_seqlens_i32: torch.Tensor | None = None
 
     @property
     def token_counts(self) -> list[int]:
         return [len(ix) for ix in self.local_index]
+
+    def to(self, device: torch.device | str) -> "GroupLayout":
+        """This layout with the tensors attention uses on ``device`` (the host copies stay for
+        dispatch); a no-op copy when they are there already."""
+        device = torch.device(device)
+        if self.gather_index.device == device and self.cu_seqlens_i32 is not None:
+            return self
+        return replace(self, cu_seqlens=self.cu_seqlens.to(device),
+                       gather_index=self.gather_index.to(device), natural_index=self.natural_index.to(device),
+                       valid=self.valid.to(device),
+                       cu_seqlens_i32=self.cu_seqlens.to(device=device, dtype=torch.int32))
 
     def to_natural(self, x_T: torch.Tensor) -> torch.Tensor:
         """Rows in gathered order -> natural order (first dimension)."""
@@ -68,7 +85,7 @@ class GroupLayout:
 
 
 def build_group_layout(lengths: list[int], size: int) -> GroupLayout:
-    """Layout of sequences ``lengths`` packed on a group of ``size`` ranks."""
+    """Layout of sequences ``lengths`` packed on a group of ``size`` ranks (host tensors)."""
     if not lengths:
         raise ValueError("a group must run at least one sequence")
     padded = [padded_length(L, size) for L in lengths]
@@ -83,4 +100,4 @@ def build_group_layout(lengths: list[int], size: int) -> GroupLayout:
         valid[s:s + L] = True
     gather = torch.cat(local)
     return GroupLayout(tuple(lengths), size, torch.tensor(starts, dtype=torch.int64), tuple(local),
-                       gather, torch.argsort(gather), valid)
+                       gather, torch.argsort(gather), valid, tuple(starts), max(padded))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -78,9 +79,11 @@ def step_loss(model: SpecStack, tokens_t: torch.Tensor, *, group, layout: GroupL
 
 
 def init_job() -> tuple[torch.device, int, int]:
-    """Join the torchrun job (NCCL on GPUs, gloo on CPU, one thread per CPU rank); returns this
-    rank's device, its rank and the world size."""
-    cuda = torch.cuda.is_available()
+    """Join the torchrun job: NCCL with one GPU per rank when this node has a GPU for every local
+    rank, else gloo on the host (one thread per rank; e.g. 4 ranks on a 1-GPU machine). Returns
+    this rank's device, its rank and the world size."""
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    cuda = torch.cuda.is_available() and torch.cuda.device_count() >= local_ranks
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
@@ -88,6 +91,25 @@ def init_job() -> tuple[torch.device, int, int]:
         torch.set_num_threads(1)
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
     return device, dist.get_rank(), dist.get_world_size()
+
+
+def lengths_that_fit(lengths: list[int], group_size: int, capacity_tokens: int) -> list[int]:
+    """The profiling lengths a group of ``group_size`` can hold, ``capacity_tokens`` per rank
+    (activations of one sequence are spread over the group)."""
+    return [s for s in lengths if s <= capacity_tokens * group_size]
+
+
+def device_capacity_tokens(model: torch.nn.Module, act_bytes_per_token: float, device: torch.device,
+                           reserve: float = 0.1) -> int:
+    """Tokens of activations one rank can hold next to ``model``'s parameters, gradients and Adam
+    states (16 bytes per parameter) on ``device``, keeping ``reserve`` of the memory free; on the
+    host there is no limit to find (a very large number)."""
+    if device.type != "cuda":
+        return 1 << 40
+    total = torch.cuda.get_device_properties(device).total_memory
+    states = 16 * sum(p.numel() for p in model.parameters())
+    free = (1 - reserve) * total - states
+    return max(int(free // max(act_bytes_per_token, 1.0)), 0)
 
 
 def _sync(device: torch.device) -> None:
@@ -157,24 +179,55 @@ def time_alltoall(group, nbytes: list[int], *, repeats: int, device: torch.devic
 
 
 class SavedTensorMeter:
-    """Context manager counting the bytes of tensors autograd saves for backward (activations).
+    """Context manager measuring the tensors autograd saves for backward (activations).
 
-    Parameters' storages (``params``) and storages seen before are not counted. ``bytes`` after
-    exit. Works for any model, Megatron's included.
+    Parameters' storages (``params``) are not counted, nor a storage twice. ``bytes``: all saved
+    bytes; ``peak``: the most saved bytes alive at once (a tensor stops counting when nothing holds
+    it, e.g. after its backward), so activations recomputed in backward (``--recompute-*``) are not
+    counted twice. :meth:`micro_batch` starts a new micro-batch of ``tokens`` tokens and
+    :attr:`peak_per_token` is the largest peak of a micro-batch over its tokens. Works for any model,
+    Megatron's included.
     """
 
     def __init__(self, params) -> None:
         self._params = {p.untyped_storage().data_ptr() for p in params}
         self._seen: set[int] = set()
+        self._refs: dict[int, int] = {}
+        self._size: dict[int, int] = {}
         self.bytes = 0
+        self.live = 0
+        self.peak = 0
+        self._mb_peak = 0
+        self._mb_tokens = 0
+        self.peak_per_token = 0.0
         self._ctx = None
 
     def _pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr not in self._params and ptr not in self._seen:
+        if ptr in self._params:
+            return t
+        if ptr not in self._seen:
             self._seen.add(ptr)
             self.bytes += t.untyped_storage().nbytes()
+        if not self._refs.get(ptr):
+            self._size[ptr] = t.untyped_storage().nbytes()
+            self.live += self._size[ptr]
+            self.peak = max(self.peak, self.live)
+            self._mb_peak = max(self._mb_peak, self.live)
+        self._refs[ptr] = self._refs.get(ptr, 0) + 1
+        weakref.finalize(t, self._release, ptr)
         return t
+
+    def _release(self, ptr: int) -> None:
+        self._refs[ptr] -= 1
+        if not self._refs[ptr]:
+            self.live -= self._size.pop(ptr)
+
+    def micro_batch(self, tokens: int) -> None:
+        """Close the current micro-batch (if any) and start one holding ``tokens`` tokens."""
+        if self._mb_tokens:
+            self.peak_per_token = max(self.peak_per_token, self._mb_peak / self._mb_tokens)
+        self._mb_tokens, self._mb_peak = tokens, self.live
 
     def __enter__(self) -> "SavedTensorMeter":
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
@@ -183,6 +236,7 @@ class SavedTensorMeter:
 
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
+        self.micro_batch(0)
 
 
 def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend: str,
@@ -196,7 +250,7 @@ def activation_bytes_per_token(model: SpecStack, length: int, *, group, backend:
     with SavedTensorMeter(model.parameters()) as meter:  # backward saves nothing more
         step_loss(model, tokens, group=group, layout=layout, backend=backend)
     model.zero_grad(set_to_none=True)
-    return meter.bytes / local
+    return meter.peak / local
 
 
 def time_dispatch(lengths: list[int], *, repeats: int, device: torch.device, progress=None) -> list[float]:

@@ -20,7 +20,8 @@ def ulysses_attention(q_tNH: torch.Tensor, k_tKH: torch.Tensor, v_tKH: torch.Ten
                       scale: float | None = None) -> torch.Tensor:
     """Attention of the group's packed sequences; ``group`` is this micro-batch's process group.
 
-    ``scale``: softmax scale (default ``1/sqrt(H)``).
+    ``scale``: softmax scale (default ``1/sqrt(H)``). Give ``layout`` on the inputs' device
+    (:meth:`GroupLayout.to`, once per micro-batch) to keep the layers free of host-device copies.
     """
     d = layout.size
     counts = layout.token_counts
@@ -45,6 +46,6 @@ def ulysses_attention(q_tNH: torch.Tensor, k_tKH: torch.Tensor, v_tKH: torch.Ten
         k_TnH = seq_to_head(k_tKH, group=group, token_counts=counts)
         v_TnH = seq_to_head(v_tKH, group=group, token_counts=counts)
     nat = [layout.to_natural(x) for x in (q_TnH, k_TnH, v_TnH)]
-    o_TnH = varlen_causal_attention(*nat, layout.cu_seqlens.to(q_tNH.device), backend=backend,
-                                   scale=scale)
+    o_TnH = varlen_causal_attention(*nat, layout.cu_list, backend=backend, scale=scale,
+                                    cu_device=layout.cu_seqlens_i32)
     return head_to_seq(layout.to_gathered(o_TnH), group=group, token_counts=counts)

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+from megatron_flexsp.utils.launch import worker_env  # noqa: E402
 _ITER = re.compile(r"iteration\s+(\d+)/\s*\d+ .*?elapsed time per iteration \(ms\): ([0-9.]+) .*?"
                    r"lm loss: ([0-9.E+-]+) .*?grad norm: ([0-9.]+)")
 
@@ -58,8 +60,7 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
                  env: dict | None = None) -> RunResult:
     """One torchrun launch of the entry script; never raises on a failed run (see ``returncode``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="",
-               **(env or {}))
+    env = worker_env(base=dict(os.environ, **(env or {})), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            str(ROOT / "pretrain_gpt_flexsp.py"), *tiny_args(seq_length, gbs), "--data-path", str(data),

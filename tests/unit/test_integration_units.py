@@ -8,8 +8,8 @@ import pytest
 
 pytest.importorskip("torch")
 
-from megatron_flexsp.integration.args import (FLEXSP_FLAGS, add_flexsp_args,  # noqa: E402
-                                              check_megatron_args, load_settings)
+from megatron_flexsp.integration.args import FLEXSP_FLAGS, add_flexsp_args, load_settings  # noqa: E402
+from megatron_flexsp.integration.checks import check_megatron_args  # noqa: E402
 from megatron_flexsp.integration.data import DocumentSampler, GlobalBatch  # noqa: E402
 
 
@@ -55,9 +55,11 @@ def test_settings_file(tmp_path):
     cfg = tmp_path / "f.yaml"
     cfg.write_text("planner:\n  strategy: batchada\n  num_buckets: 8\nruntime:\n  attention_backend: sdpa\n")
     s = load_settings(str(cfg))
-    assert s.strategy == "batchada" and s.planner.num_buckets == 8 and s.runtime.backend(True) == "sdpa"
-    assert load_settings(None).runtime.backend(on_cpu=True) == "sdpa"
-    assert load_settings(None).runtime.backend(on_cpu=False) == "flash"
+    import torch
+
+    assert s.strategy == "batchada" and s.planner.num_buckets == 8
+    assert s.runtime.backend(True, torch.float32) == "sdpa"
+    assert load_settings(None).runtime.backend(on_cpu=True, dtype=torch.bfloat16) == "sdpa"
     cfg.write_text("planner:\n  bogus: 1\n")
     with pytest.raises(ValueError, match="bogus"):
         load_settings(str(cfg))
@@ -205,3 +207,27 @@ def test_resume_refuses_a_changed_sampler(tmp_path):
     saved["sampler"]["global_batch"] = 2
     (tmp_path / "iter_0000002" / "flexsp_data.json").write_text(json.dumps(saved))
     d.check_resume()
+
+
+def test_attention_backend_follows_installed_packages_and_dtype():
+    import torch
+
+    from megatron_flexsp.runtime.attention import choose_backend
+
+    bf16, fp32 = torch.bfloat16, torch.float32
+    both, none = {"flash": True, "te": True}, {"flash": False, "te": False}
+    assert choose_backend("auto", cuda=False, dtype=bf16, installed=both) == "sdpa"
+    assert choose_backend("auto", cuda=True, dtype=bf16, installed=both) == "flash"
+    assert choose_backend("auto", cuda=True, dtype=fp32, installed=both) == "te"  # flash takes no fp32
+    assert choose_backend("auto", cuda=True, dtype=bf16, installed={"flash": False, "te": True}) == "te"
+    assert choose_backend("auto", cuda=True, dtype=bf16, installed=none) == "sdpa"
+    assert choose_backend("auto", cuda=True, dtype=fp32, installed={"flash": True, "te": False}) == "sdpa"
+    assert choose_backend("sdpa", cuda=True, dtype=fp32, installed=none) == "sdpa"
+    with pytest.raises(ValueError, match="needs flash-attn"):
+        choose_backend("flash", cuda=True, dtype=bf16, installed=none)
+    with pytest.raises(ValueError, match="fp16 or bf16"):
+        choose_backend("flash", cuda=True, dtype=fp32, installed=both)
+    with pytest.raises(ValueError, match="needs a GPU"):
+        choose_backend("te", cuda=False, dtype=bf16, installed=both)
+    with pytest.raises(ValueError, match="choose auto"):
+        choose_backend("cudnn", cuda=True, dtype=bf16, installed=both)

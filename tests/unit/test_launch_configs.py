@@ -20,7 +20,8 @@ def test_gpt7b_64gpu_config_parses_and_fits(monkeypatch):
     from megatron.training.arguments import parse_args
 
     from megatron_flexsp.cost_model import CostModel, load_profile
-    from megatron_flexsp.integration.args import add_flexsp_args, check_megatron_args, load_settings
+    from megatron_flexsp.integration.args import add_flexsp_args, load_settings
+    from megatron_flexsp.integration.checks import check_megatron_args
     from megatron_flexsp.integration.driver import model_spec_from_args
     from megatron_flexsp.planner import plan_step
 
@@ -31,7 +32,11 @@ def test_gpt7b_64gpu_config_parses_and_fits(monkeypatch):
     args = parse_args(add_flexsp_args)
     args.padded_vocab_size = 50304
     assert args.flexsp and args.seq_length == 196608
-    check_megatron_args(args)
+    # a GPU cluster with Transformer Engine and without apex: the config asks for nothing missing
+    check_megatron_args(args, {"apex_gradient_fusion": False, "transformer_engine": True})
+    with pytest.raises(ValueError, match="--transformer-impl local") as err:  # no TE: refused by name
+        check_megatron_args(args, {"apex_gradient_fusion": False, "transformer_engine": False})
+    assert "--no-rope-fusion" in str(err.value)
     settings = load_settings(args.flexsp_config)
     assert settings.runtime.attention_backend == "flash"
     cm = CostModel.from_profile(load_profile(args.flexsp_profile), model_spec_from_args(args),
