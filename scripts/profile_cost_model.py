@@ -9,7 +9,9 @@ activation bytes per token (tensors autograd saves in a forward); and the runtim
 per micro-batch (folded into the fixed cost and linear rate). Fits the compute coefficients on
 one GPU, then each group size's effective all-to-all latency and bandwidth from what its sequences
 take beyond their compute share (least squares; fit errors printed and stored), and writes the
-profile; the raw all-to-all fits are kept under ``measurements``.
+profile; the raw all-to-all fits are kept under ``measurements``. On a GPU each group size times
+only the lengths whose activations it holds next to the stack's parameters, gradients and Adam
+states (measured at the shortest length first; the device memory read from CUDA).
 
 CPU (4 gloo ranks, the demo model, 2 ranks per "node" as in the demo):
     python scripts/profile_cost_model.py --out out/profile/cpu-measured.json

@@ -361,11 +361,10 @@ class StepDriver:
         update = getattr(self._training, "update_seqlen_stats_from_cu_seqlens", None)
         if update is None:
             return
-        for item in items:
-            if item.placeholder or (item.ranks and item.ranks[0] != rank):
-                continue
-            lens = item.real_lengths
-            update(torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=self.device))
+        lens = [L for item in items if not item.placeholder and (not item.ranks or item.ranks[0] == rank)
+                for L in item.real_lengths]
+        # every rank adds (possibly nothing): Megatron all-reduces the sums only on ranks that did
+        update(torch.tensor([0, *itertools.accumulate(lens or [0])], dtype=torch.int32, device=self.device))
 
     def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, switch_s,
                 placeholder, source, act_bytes_per_token: float = 0.0) -> None:

@@ -98,3 +98,36 @@ def test_lp_bound_is_valid_with_three_to_six_micro_batches(seed):
     assert plan.lower_bound_ms <= opt * (1 + 1e-6)
     # the bound is not vacuous: it proves most of the optimum
     assert plan.lower_bound_ms >= 0.8 * opt
+
+
+def test_a_non_optimal_lp_status_falls_back_to_the_simple_bound(monkeypatch, caplog):
+    """HiGHS stopping without a proof (a limit, numerical trouble) must never count as
+    'infeasible', which would raise the bound without proof: the simple bound is used instead."""
+    import highspy
+
+    from megatron_flexsp.planner import bound as B
+
+    cm, lens, opt = many_micro_batch_instance(0)
+    tab = Tables(np.asarray(lens), cm)
+    honest = lp_step_bound(tab, target_ms=opt, max_solves=300, max_extra=2)
+    real_run = highspy.Highs.run
+    state = {"calls": 0}
+
+    def flaky_run(self):
+        state["calls"] += 1
+        return real_run(self)
+
+    monkeypatch.setattr(highspy.Highs, "run", flaky_run)
+    monkeypatch.setattr(highspy.Highs, "getModelStatus",
+                        lambda self: highspy.HighsModelStatus.kTimeLimit)
+    with caplog.at_level("WARNING"):
+        r = lp_step_bound(tab, target_ms=opt, max_solves=300, max_extra=2)
+    f_min = min(tab.fixed.values())
+    area = tab.area_min_ms() / cm.cluster.num_gpus
+    crit = float(tab.critical_ms().max())
+    m_min = B.min_micro_batches(tab)
+    simple = max(m_min * f_min + area, crit + (m_min - 1) * f_min)
+    assert state["calls"] >= 1
+    assert r.bound_ms == pytest.approx(min(simple, opt))
+    assert r.bound_ms <= honest.bound_ms + 1e-9
+    assert "Time limit" in caplog.text and "simple bound" in caplog.text
