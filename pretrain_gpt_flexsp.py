@@ -112,7 +112,7 @@ def main(argv: list[str]) -> int:
     from megatron_flexsp.integration.driver import StepDriver
     from patches.datasets import helpers_patch
     from patches.distrib_optimizer import distrib_optimizer_patches
-    from patches.schedule import save_hook_patch, schedule_patch
+    from patches.schedule import save_hook_patch, schedule_patch, train_step_patch
 
     args = parse_and_validate_args(extra_args_provider=add_flexsp_args,
                                    args_defaults={"dataloader_type": "external"})
@@ -125,7 +125,8 @@ def main(argv: list[str]) -> int:
 
     datasets_provider.is_distributed = True
     provider = partial(model_provider, settings=settings, flexsp=driver.flexsp, backend=driver.backend)
-    active = [schedule_patch(driver), save_hook_patch(driver.on_save), helpers_patch()]
+    active = [schedule_patch(driver), save_hook_patch(driver.on_save), helpers_patch(),
+              train_step_patch(driver.on_train_step)]
     # negative controls in the tests only: "1" leaves all optimizer fixes out, or a comma list of the
     # patched method names (e.g. "sharded_state_dict") leaves those out
     left_out = os.environ.get("FLEXSP_TEST_UNPATCHED_OPTIMIZER", "")

@@ -56,3 +56,19 @@ def save_hook_patch(on_save) -> Patch:
 
     return Patch("megatron.training.training", "save_checkpoint", make,
                  expect_params=("iteration", "model", "optimizer"))
+
+
+def train_step_patch(on_step) -> Patch:
+    """After each of Megatron's training steps, call ``on_step(iteration, result)`` with what
+    ``train_step`` returned (its reduced losses, grad norm, ...), at full precision."""
+
+    def make(original):
+        def train_step(*args, **kwargs):
+            out = original(*args, **kwargs)
+            on_step(kwargs.get("iteration"), out)
+            return out
+
+        return train_step
+
+    return Patch("megatron.training.training", "train_step", make,
+                 expect_params=("forward_step_func", "data_iterator", "model", "optimizer", "iteration"))

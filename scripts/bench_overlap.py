@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_flexsp.config import SOLVER_PRIORITIES  # noqa: E402
-from tests.integration.megatron_runs import build_dataset, run_pretrain, write_report  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
+from tests.integration.megatron_runs import build_dataset, run_pretrain  # noqa: E402
 
 
 def _measure(name: str, res) -> dict:
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
                     help="the demo's --flexsp-config; its planner section is used by every run")
     ap.add_argument("--data", default=str(ROOT / "data" / "demo" / "pystdlib"))
     ap.add_argument("--out", default=str(ROOT / "out" / "bench_overlap.json"))
+    ap.add_argument("--md", default=None, help="also write the table as markdown here")
     args = ap.parse_args(argv)
     if args.repeats < 1 or args.steps < 4:
         raise ValueError(f"--repeats {args.repeats} must be >= 1 and --steps {args.steps} >= 4")
@@ -136,6 +138,7 @@ def main(argv=None) -> int:
             "plan_wait_ms": statistics.median(r["plan_wait_ms"] for r in mine),
             "solver_cpu_ms": statistics.median(r["solver_cpu_ms"] for r in mine),
             "max_plan_wait_ms": max(r["max_plan_wait_ms"] for r in mine),
+            "micro_batches": statistics.median(r["micro_batches"] for r in mine),
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "step_ratio_median": statistics.median(x for r in mine for x in r["step_ratios"])
             if any(r["step_ratios"] for r in mine) else None,
@@ -144,16 +147,23 @@ def main(argv=None) -> int:
     cores = os.cpu_count() or 1
     for r in rows:  # what the solver takes of the machine's CPU time per step
         r["solver_cpu_share"] = r["solver_cpu_ms"] / (cores * r["iteration_ms"])
-    lines = [f"{'run':14s} {'n':>2s} {'iter ms':>8s} {'fwd-bwd':>8s} {'pred':>6s} {'wait':>6s} "
-             f"{'max wait':>9s} {'solver':>7s} {'share':>6s} {'ratio':>6s} {'min':>6s} {'max':>6s} "
-             f"{'paired':>6s}  plan sources (all rounds)"]
+    lines = header_lines("Planning off the critical path (CPU, 4 gloo ranks)",
+                         provenance(steps=args.steps, repeats=args.repeats, seq_length=args.seq_length,
+                                    global_batch_size=args.global_batch_size, wait_budget_s=args.budget,
+                                    config=Path(args.config).name)) + [
+        "| run | rounds | micro-batches per step | iteration ms | fwd-bwd ms | predicted ms | plan wait ms "
+        "(median / max) | solver CPU ms per step | share | x precomputed: median (min-max) | paired "
+        "| plan sources |", "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"{r['run']:14s} {r['repeats']:2d} {r['iteration_ms']:8.0f} "
-                     f"{r['forward_backward_ms']:8.0f} {r['predicted_ms']:6.0f} {r['plan_wait_ms']:6.0f} "
-                     f"{r['max_plan_wait_ms']:9.0f} {r['solver_cpu_ms']:7.1f} "
-                     f"{100 * r['solver_cpu_share']:5.1f}% {r['ratio_median']:6.3f} {r['ratio_min']:6.3f} "
-                     f"{r['ratio_max']:6.3f} {r['step_ratio_median'] or 0:6.3f}  {r['sources']}")
-    write_report(args.out, lines, {"settings": vars(args), "rows": rows, "runs": runs})
+        lines.append(f"| {r['run']} | {r['repeats']} | {r['micro_batches']:.0f} | {r['iteration_ms']:.0f} | "
+                     f"{r['forward_backward_ms']:.0f} | {r['predicted_ms']:.0f} | {r['plan_wait_ms']:.0f} / "
+                     f"{r['max_plan_wait_ms']:.0f} | {r['solver_cpu_ms']:.1f} | {100 * r['solver_cpu_share']:.1f}% | "
+                     f"{r['ratio_median']:.3f} ({r['ratio_min']:.3f}-{r['ratio_max']:.3f}) | "
+                     f"{r['step_ratio_median'] or 0:.3f} | {r['sources']} |")
+    print("\n".join(lines))
+    for path in write_outputs(args.out, {"settings": vars(args), "rows": rows, "runs": runs}, args.md,
+                              lines if args.md else None):
+        print(f"wrote {path}")
     return 0
 
 

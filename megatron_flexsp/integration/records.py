@@ -2,8 +2,9 @@
 
 :class:`StepRecorder` appends one JSON line per training step to ``steps.jsonl`` (loss, tokens,
 measured and predicted times, plan wait, dispatch, group switching, where the plan came from, its
-gap and group sizes) and every plan to ``plans.jsonl``, draws the first plan (when matplotlib is
-installed) and logs one line per step. It keeps the run's totals that the checkpoint's document
+gap and group sizes), every plan to ``plans.jsonl`` and what Megatron's ``train_step`` returned
+(its reduced ``lm loss``, the gradient norm) to ``megatron.jsonl``, at full precision; draws the
+first plan (when matplotlib is installed) and logs one line per step. It keeps the run's totals that the checkpoint's document
 accounting reports.
 """
 
@@ -61,6 +62,17 @@ class StepRecorder:
                 f.write(plan.to_json() + "\n")
             if not self._pictured:
                 self._picture(plan, batch)
+        return rec
+
+    def megatron_step(self, iteration, loss_reduced: dict, grad_norm, skipped: int) -> dict:
+        """What Megatron's ``train_step`` returned for ``iteration`` (its losses reduced over the
+        global batch, the gradient norm before clipping), at full precision, to ``megatron.jsonl``."""
+        rec = {"iteration": None if iteration is None else int(iteration), "skipped": int(skipped),
+               "grad_norm": None if grad_norm is None else float(grad_norm),
+               **{key.replace(" ", "_"): float(value) for key, value in loss_reduced.items()}}
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        with open(self.out_dir / "megatron.jsonl", "a") as f:
+            f.write(json.dumps(rec) + "\n")
         return rec
 
     def _picture(self, plan, batch) -> None:

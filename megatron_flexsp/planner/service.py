@@ -16,6 +16,7 @@ a value to broadcast.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import multiprocessing as mp
 import os
 import queue
@@ -69,8 +70,10 @@ def _lower_priority(priority: str) -> str:
 
 
 def _solver_main(requests, results, cm, strategy: str, config: PlannerConfig, max_seq_len: int,
-                 delay_s: float, priority: str) -> None:
+                 delay_s: float, priority: str, imports: tuple[str, ...] = ()) -> None:
     """Solve requested steps, oldest first, skipping those the trainer has already taken."""
+    for module in imports:  # modules that register external strategies in this fresh process
+        importlib.import_module(module)
     applied = _lower_priority(priority)  # training processes get the CPU first
     if applied != priority:
         log.warning("planner process: CPU priority %r is not available here; running at %r",
@@ -116,19 +119,20 @@ class PlanService:
     ``delay_s`` delays every solve (a test hook: shows that the fallback keeps steps on time).
     ``priority``: the solver's CPU priority (:data:`~megatron_flexsp.config.SOLVER_PRIORITIES`):
     ``low`` (nice 19, the default) or ``idle`` (``SCHED_IDLE``) let the training processes have the
-    CPU first; ``normal`` keeps the trainer's.
+    CPU first; ``normal`` keeps the trainer's. ``imports``: modules the solver process imports first
+    (those that register an external strategy, e.g. ``megatron-hybrid-cp``).
     """
 
     def __init__(self, cm, *, strategy: str = "flexsp", config: PlannerConfig | None = None,
                  max_seq_len: int = 0, wait_budget_s: float = 1.0, fallback: str = "batchada",
-                 delay_s: float = 0.0, priority: str = "low") -> None:
+                 delay_s: float = 0.0, priority: str = "low", imports: tuple[str, ...] = ()) -> None:
         if wait_budget_s < 0:
             raise ValueError(f"wait_budget_s={wait_budget_s} must be >= 0")
         if priority not in SOLVER_PRIORITIES:
             raise ValueError(f"priority={priority!r} must be one of {SOLVER_PRIORITIES}")
         self.cm, self.strategy, self.config = cm, strategy, config or PlannerConfig()
         self.max_seq_len, self.wait_budget_s, self.fallback = max_seq_len, wait_budget_s, fallback
-        self.delay_s, self.priority = delay_s, priority
+        self.delay_s, self.priority, self.imports = delay_s, priority, tuple(imports)
         self._ctx = mp.get_context("spawn")
         self._proc = None
         self._requests = self._results = None
@@ -144,7 +148,7 @@ class PlanService:
         self._proc = self._ctx.Process(
             target=_solver_main, name="flexsp-planner", daemon=True,
             args=(self._requests, self._results, self.cm, self.strategy, self.config,
-                  self.max_seq_len, self.delay_s, self.priority))
+                  self.max_seq_len, self.delay_s, self.priority, self.imports))
         self._proc.start()
 
     def _restart(self) -> None:

@@ -51,8 +51,9 @@ class RunResult:
     returncode: int
     log: str
     steps: list[dict]
-    iterations: dict[int, tuple[float, float]]  # Megatron iteration -> (lm loss, grad norm)
+    iterations: dict[int, tuple[float, float]]  # Megatron iteration -> (lm loss, grad norm), logged
     iteration_ms: dict[int, float]  # Megatron iteration -> its logged elapsed time (ms)
+    megatron: dict[int, dict]  # train_step's returns at full precision: iteration -> lm_loss, grad_norm
 
 
 def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
@@ -75,7 +76,28 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
     found = list(_ITER.finditer(text))
     iters = {int(m.group(1)): (float(m.group(3)), float(m.group(4))) for m in found}
     times = {int(m.group(1)): float(m.group(2)) for m in found}
-    return RunResult(proc.returncode, text, records, iters, times)
+    megatron = {}
+    if (out_dir / "megatron.jsonl").exists():
+        for line in (out_dir / "megatron.jsonl").read_text().splitlines():
+            rec = json.loads(line)
+            megatron[rec["iteration"]] = rec
+    return RunResult(proc.returncode, text, records, iters, times, megatron)
+
+
+def run_independent(out_dir: Path, data: Path, ckpt: Path, iteration: int, *, seq_length: int = 1024,
+                    gbs: int = 8, timeout: int = 600) -> dict:
+    """``tests/integration/independent_step.py`` on one process: the step's loss and grad norm."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    env = worker_env(base=dict(os.environ), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+           str(ROOT / "tests" / "integration" / "independent_step.py"), *tiny_args(seq_length, gbs),
+           "--data-path", str(data), "--load", str(ckpt), "--iteration", str(iteration)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    (out_dir / "independent.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0:
+        raise AssertionError(proc.stdout[-2000:] + proc.stderr[-4000:])
+    return json.loads([x for x in proc.stdout.splitlines() if x.startswith("{")][-1])
 
 
 def write_report(path: str, lines: list[str], payload: dict) -> None:

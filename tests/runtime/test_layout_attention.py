@@ -1,4 +1,5 @@
-"""Single-process runtime tests: token layout and attention backends against the reference."""
+"""Single-process runtime tests: token layout and attention backends against an independent
+reference (:mod:`tests.reference`: plain softmax per document in float64, GQA grouping spelled out)."""
 
 import pytest
 
@@ -6,10 +7,13 @@ torch = pytest.importorskip("torch")
 
 from megatron_flexsp.runtime.attention import BACKENDS, varlen_causal_attention  # noqa: E402
 from megatron_flexsp.runtime.layout import build_group_layout, padded_length, shard_positions  # noqa: E402
+from tests.reference import packed_attention, shard_rows  # noqa: E402
 
 
 @pytest.mark.parametrize("length, d", [(1, 1), (7, 2), (16, 4), (33, 4), (100, 8)])
 def test_shards_cover_the_padded_sequence_once_and_balance_causal_work(length, d):
+    for r in range(d):  # the layout's definition: chunks r and 2d-1-r of the padded sequence
+        assert shard_positions(length, d, r).tolist() == shard_rows(length, d, r)
     p = padded_length(length, d)
     assert p % (2 * d) == 0 and length <= p < length + 2 * d
     allpos = torch.cat([shard_positions(length, d, r) for r in range(d)])
@@ -36,14 +40,14 @@ def _qkv(T, n, n_kv, H, seed=0):
             torch.randn(T, n_kv, H, generator=g))
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "sdpa-mask"])
-@pytest.mark.parametrize("n_kv", [4, 2])
-def test_cpu_backends_match_reference(backend, n_kv):
-    cu = torch.tensor([0, 5, 17, 18, 40])
+@pytest.mark.parametrize("backend", ["reference", "sdpa", "sdpa-mask"])
+@pytest.mark.parametrize("n_kv", [4, 2, 1])
+def test_cpu_backends_match_an_independent_reference(backend, n_kv):
+    lengths = [5, 12, 1, 22]
     q, k, v = _qkv(40, 4, n_kv, 8)
-    ref = varlen_causal_attention(q, k, v, cu, backend="reference")
-    out = varlen_causal_attention(q, k, v, cu, backend=backend)
-    # fp32 kernels vs a float64-accumulated reference: rounding only
+    ref = packed_attention(q, k, v, lengths)
+    out = varlen_causal_attention(q, k, v, [0, 5, 17, 18, 40], backend=backend)
+    # fp32 kernels vs a float64 reference: rounding only
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -88,12 +92,16 @@ def test_bad_backend_inputs():
     assert set(BACKENDS) == {"reference", "sdpa", "sdpa-mask", "flash", "te"}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error path without a GPU stack")
-def test_gpu_backends_fail_clearly_without_packages():
-    cu = torch.tensor([0, 4])
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error paths without a GPU")
+@pytest.mark.parametrize("backend, package", [("flash", "flash-attn"), ("te", "transformer-engine")])
+def test_gpu_backends_fail_clearly_on_the_host(backend, package):
+    """Without the package: an error naming it; with it but without a GPU: an error all the same."""
+    cu = [0, 4]
     q, k, v = _qkv(4, 4, 4, 4)
-    try:
-        import flash_attn  # noqa: F401
-    except ImportError:
-        with pytest.raises(RuntimeError, match="flash-attn"):
-            varlen_causal_attention(q, k, v, cu, backend="flash")
+    with pytest.raises(Exception) as err:
+        varlen_causal_attention(q, k, v, cu, backend=backend)
+    importable = {"flash": "flash_attn", "te": "transformer_engine"}[backend]
+    import importlib.util
+
+    if importlib.util.find_spec(importable) is None:
+        assert err.type is RuntimeError and package in str(err.value)

@@ -43,7 +43,9 @@ def test_cli_simulate_compares_strategies(lengths_file, tmp_path, capsys):
     assert cli.main(["simulate", *_args(lengths_file, "--json", str(out))]) == 0
     data = json.loads(out.read_text())
     tot = data["total_ms"]
-    assert tot["flexsp"] <= tot["batchada"] * (1 + 1e-9)
+    # not slower holds by construction (batchada's plan is a candidate); it must be faster
+    assert tot["flexsp"] <= 0.97 * tot["batchada"] and tot["flexsp"] <= 0.8 * tot["static"]
+    assert all(set(b) >= {"static", "batchada", "megatron-dcp", "flexsp"} for b in data["batches"])
     assert "vs static" in capsys.readouterr().out
 
 

@@ -194,11 +194,11 @@ def test_shared_adam_step_is_a_real_bug_and_the_patch_unshares_it():
 def test_resume_refuses_a_changed_sampler(tmp_path):
     import json
 
-    from megatron_flexsp.integration.driver import StepDriver
+    from megatron_flexsp.integration.accounting import CheckpointAccounting
 
-    d = StepDriver.__new__(StepDriver)
-    d.sampler = DocumentSampler(np.array([5, 6, 7, 8]), global_batch=2, seq_length=16, seed=3)
-    d.args = SimpleNamespace(iteration=2, load=str(tmp_path), flexsp_over_length="truncate")
+    sampler = DocumentSampler(np.array([5, 6, 7, 8]), global_batch=2, seq_length=16, seed=3)
+    args = SimpleNamespace(iteration=2, load=str(tmp_path), flexsp_over_length="truncate")
+    d = CheckpointAccounting(args, sampler, tmp_path, recorder=None)
     (tmp_path / "iter_0000002").mkdir()
     saved = {"sampler": dict(d.sampler_state(), global_batch=4), "documents_consumed": 8, "epoch": 2}
     (tmp_path / "iter_0000002" / "flexsp_data.json").write_text(json.dumps(saved))

@@ -60,7 +60,15 @@ def test_level_packer_respects_memory_and_level():
     for g in groups:
         assert g.tokens <= tab.cap[g.size]
         assert tab.finish(g) <= level * (1 + 1e-9)
-    assert lp.pack(items, level * 0.5) is None or lp.lower_bound(items, 1) <= level * 0.5
+    # against the exact optimum of this one micro-batch: never below it (that would be an invalid
+    # packing), at most 10% above it, and no packing is ever found below it
+    from tests.unit.test_planner import brute_force_step_ms
+
+    opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+    assert tab.step_ms([groups]) >= opt * (1 - 1e-9)
+    assert level <= 1.10 * opt, (level, opt)
+    for frac in (0.999, 0.95, 0.8, 0.5):
+        assert lp.pack(items, opt * frac) is None, frac
 
 
 def test_search_setting_is_validated():

@@ -1,6 +1,8 @@
 """The asynchronous planner: solver plans within the budget, fallback when late, failed or dead."""
 
 import os
+import subprocess
+import sys
 import signal
 import time
 
@@ -90,17 +92,27 @@ def test_bad_budget_and_priority_are_refused(small_cm):
         PlanService(small_cm, priority="high")
 
 
+def _sched_idle_allowed() -> bool:
+    """Whether a process may switch itself to SCHED_IDLE here (it needs no privilege on Linux, but
+    some sandboxes refuse it)."""
+    if not hasattr(os, "SCHED_IDLE"):
+        return False
+    code = "import os; os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
 @pytest.mark.parametrize("priority", ["idle", "low"])
 def test_solver_priority_is_below_training(small_cm, priority):
-    """The solver process runs at a lower CPU priority than the process that started it."""
+    """The solver process runs at the CPU priority asked for: SCHED_IDLE where the system allows it
+    (else nice 19, said in a warning), nice 19 for ``low``."""
     svc = PlanService(small_cm, max_seq_len=16384, wait_budget_s=120, priority=priority)
     try:
         assert svc.take(0, LENS[:8]).source == "solver"
         pid = svc._proc.pid
         lowered = os.getpriority(os.PRIO_PROCESS, pid) >= min(19, os.getpriority(os.PRIO_PROCESS, 0) + 1)
-        if priority == "idle" and hasattr(os, "SCHED_IDLE"):  # else (refused) it falls back to nice 19
-            assert os.sched_getscheduler(pid) == os.SCHED_IDLE or lowered
+        if priority == "idle" and _sched_idle_allowed():
+            assert os.sched_getscheduler(pid) == os.SCHED_IDLE
         else:
-            assert lowered
+            assert lowered and (not hasattr(os, "SCHED_IDLE") or os.sched_getscheduler(pid) != os.SCHED_IDLE)
     finally:
         svc.close()

@@ -92,8 +92,12 @@ def test_flexsp_never_slower_than_baselines_and_bound_is_below(wiki_lengths, pap
             assert sim.memory_ok
             assert sim.step_ms == pytest.approx(p.predicted_step_ms, rel=1e-9)
         f = plans["flexsp"]
-        assert f.predicted_step_ms <= plans["batchada"].predicted_step_ms * (1 + 1e-9)
-        assert f.predicted_step_ms <= plans["static"].predicted_step_ms * (1 + 1e-9)
+        # the best homogeneous plan is one of flexsp's candidates, so "not slower" holds by
+        # construction; what must hold on long-tailed batches is that it does better than that
+        assert f.predicted_step_ms <= 0.99 * plans["batchada"].predicted_step_ms, (f.method, f.group_sizes)
+        assert not f.method.startswith("homogeneous")
+        assert any(len(set(sizes)) > 1 for sizes in f.group_sizes)  # heterogeneous groups
+        assert f.predicted_step_ms <= 0.8 * plans["static"].predicted_step_ms
         for p in plans.values():
             assert f.lower_bound_ms <= p.predicted_step_ms * (1 + 1e-9)
         assert 0 <= f.gap < 1

@@ -1,0 +1,171 @@
+#!/usr/bin/env python
+"""Plant small bugs one at a time in a copy of the repository and check that the tests catch each.
+
+Every mutation replaces one exact piece of code (it must occur exactly once) in a fresh copy of the
+tracked files, runs the tests that should catch it (``pytest -x``, the project's own virtual
+environment) and counts it caught when they fail. The bugs cover positions, causal masks, the
+all-to-all's splits and head order, KV-head replication, shard order, the loss mask and token count,
+dispatch, the plan hash and check, the memory limit, the lower bound and the context-parallel
+switch. Prints a table, writes JSON (``--out``) and a markdown report (``--md``); exit status 1 if a
+bug survived.
+
+    .venv/bin/python scripts/mutation_check.py --md docs/mutation-check.md [--only NAME ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
+
+DIST = "tests/runtime/test_distributed.py"
+ATTN = "tests/runtime/test_layout_attention.py"
+TRAIN = "tests/integration/test_megatron_train.py::test_flexsp_matches_plain_megatron_step_by_step"
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    tests: tuple[str, ...]
+
+
+MUTATIONS = (
+    Mutation("positions", "every token's position within its document off by one",
+             "megatron_flexsp/runtime/layout.py",
+             "return torch.cat([shard_positions(L, size, r) for L in lengths])",
+             "return torch.cat([shard_positions(L, size, r) for L in lengths]) + 1", (DIST,)),
+    Mutation("causal-sdpa", "the SDPA kernel attends to later tokens",
+             "megatron_flexsp/runtime/attention.py", "is_causal=True, scale=scale)",
+             "is_causal=False, scale=scale)", (ATTN,)),
+    Mutation("causal-reference", "the reference kernel lets a token see the next one",
+             "megatron_flexsp/runtime/attention.py", "device=q.device).triu(1)", "device=q.device).triu(2)",
+             (ATTN,)),
+    Mutation("alltoall-splits", "the all-to-all assumes every rank holds as many tokens as this one",
+             "megatron_flexsp/runtime/all_to_all.py", "output_split_sizes=[c * n * H for c in counts],",
+             "output_split_sizes=[counts[me] * n * H] * d,", (DIST,)),
+    Mutation("head-order", "heads come back in the wrong order after attention",
+             "megatron_flexsp/runtime/all_to_all.py",
+             "return recv.reshape(d, t, n, H).permute(1, 0, 2, 3).reshape(t, d * n, H)",
+             "return recv.reshape(d, t, n, H).permute(1, 2, 0, 3).reshape(t, d * n, H)", (DIST,)),
+    Mutation("kv-replication", "KV heads replicated by repeat, not repeat_interleave",
+             "megatron_flexsp/runtime/ulysses.py", "k_tKH = k_tKH.repeat_interleave(d // K, dim=1)",
+             "k_tKH = k_tKH.repeat(1, d // K, 1)", (DIST,)),
+    Mutation("shard-order", "a rank holds its two chunks in the other order",
+             "megatron_flexsp/runtime/layout.py", "return torch.cat([first, second])",
+             "return torch.cat([second, first])", (DIST,)),
+    Mutation("dispatch-order", "dispatch reassembles a group's sequences in reverse",
+             "megatron_flexsp/runtime/dispatch.py",
+             "    for ranks, seqs in groups:\n        if rank not in ranks:\n            continue\n        for s in seqs:",
+             "    for ranks, seqs in groups:\n        if rank not in ranks:\n            continue\n        for s in reversed(seqs):",
+             (DIST,)),
+    Mutation("plan-hash", "every plan hashes alike, so ranks with different plans go on",
+             "megatron_flexsp/runtime/agreement.py",
+             'return int.from_bytes(hashlib.sha256(plan_json.encode()).digest()[:7], "big")', "return 0",
+             (DIST,)),
+    Mutation("plan-once", "a plan may run a sequence twice",
+             "megatron_flexsp/plan.py", "if i not in dropped and count != 1:",
+             "if i not in dropped and count < 1:", ("tests/unit/test_topology_plan.py",)),
+    Mutation("memory-limit", "groups may hold twice the tokens memory allows",
+             "megatron_flexsp/cost_model/model.py", "return self.capacity_tokens * d\n",
+             "return self.capacity_tokens * d * 2\n", ("tests/unit/test_planner.py",)),
+    Mutation("bound-inflated", "the LP bound reports 10% more than it proves",
+             "megatron_flexsp/planner/bound.py", "return float(h.getInfo().objective_function_value)",
+             "return 1.1 * float(h.getInfo().objective_function_value)", ("tests/unit/test_level_bound.py",)),
+    Mutation("bound-status", "a non-optimal LP status counts as infeasible",
+             "megatron_flexsp/planner/bound.py", "if status == highspy.HighsModelStatus.kInfeasible:",
+             "if status != highspy.HighsModelStatus.kOptimal:", ("tests/unit/test_level_bound.py",)),
+    Mutation("simple-bound", "the simple bound charges the largest GPU-time, not the least",
+             "megatron_flexsp/planner/layout.py", "best = np.where(ok, np.minimum(best, d * self.time[d]), best)",
+             "best = np.where(ok, d * self.time[d], best)",
+             ("tests/unit/test_level_bound.py", "tests/unit/test_planner.py")),
+    Mutation("loss-mask", "the loss counts each shard's padding rows",
+             "megatron_flexsp/integration/microbatches.py", "mask = (pos < per_row_len).float()",
+             "mask = (pos <= per_row_len).float()", (TRAIN,)),
+    Mutation("token-count", "per-token loss divided by every row, labelled or not",
+             "pretrain_gpt_flexsp.py", "num_tokens = mask.sum().to(torch.int)",
+             "num_tokens = torch.tensor(mask.numel(), dtype=torch.int)", (TRAIN,)),
+    Mutation("cp-switch", "the model's context-parallel group is not switched per micro-batch",
+             "patches/context_parallel.py", "            pg.cp = group\n", "            pass\n", (TRAIN,)),
+)
+
+
+def copy_repo(dest: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for f in files:
+        src = ROOT / f
+        if src.is_file():
+            (dest / f).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dest / f)
+    data = ROOT / "data"
+    if data.exists():
+        (dest / "data").symlink_to(data)
+
+
+def run(m: Mutation, python: str, timeout: int) -> dict:
+    with tempfile.TemporaryDirectory(prefix="flexsp-mutant-") as tmp:
+        copy = Path(tmp) / "repo"
+        copy.mkdir()
+        copy_repo(copy)
+        shared = ROOT.parent / "shared"
+        if shared.exists():
+            (Path(tmp) / "shared").symlink_to(shared)
+        target = copy / m.path
+        text = target.read_text()
+        if text.count(m.old) != 1:
+            raise SystemExit(f"mutation {m.name}: the code to replace occurs {text.count(m.old)} times in {m.path}")
+        target.write_text(text.replace(m.old, m.new))
+        t0 = time.perf_counter()
+        env = {"PYTHONPATH": str(copy), "PATH": "/usr/bin:/bin", "HOME": tmp, "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *m.tests],
+                              cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+        tail = [line for line in proc.stdout.splitlines() if "passed" in line or "failed" in line][-1:]
+        return {"name": m.name, "what": m.what, "file": m.path, "tests": list(m.tests),
+                "caught": proc.returncode != 0, "seconds": time.perf_counter() - t0,
+                "pytest": tail[0] if tail else proc.stdout[-200:]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", nargs="*", help="run only these mutations")
+    ap.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"))
+    ap.add_argument("--timeout", type=int, default=900)
+    ap.add_argument("--out", default="out/mutation_check.json")
+    ap.add_argument("--md", default=None)
+    args = ap.parse_args()
+    chosen = [m for m in MUTATIONS if not args.only or m.name in args.only]
+    results = []
+    for m in chosen:
+        r = run(m, args.python, args.timeout)
+        results.append(r)
+        print(f"{'caught' if r['caught'] else 'SURVIVED':8s} {m.name:18s} {r['seconds']:6.0f} s  {r['pytest']}",
+              file=sys.stderr, flush=True)
+    caught = sum(r["caught"] for r in results)
+    lines = header_lines("Mutation check", provenance()) + [
+        f"Score: {caught} of {len(results)} planted bugs caught.", "",
+        "| bug | what it breaks | file | caught by | caught | seconds |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['what']} | `{r['file']}` | {', '.join(f'`{t}`' for t in r['tests'])} | "
+              f"{'yes' if r['caught'] else '**no**'} | {r['seconds']:.0f} |" for r in results]
+    print("\n".join(lines))
+    for path in write_outputs(args.out, {"provenance": provenance(), "results": results}, args.md,
+                              lines if args.md else None):
+        print(f"wrote {path}")
+    return 0 if caught == len(results) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
