@@ -186,7 +186,11 @@ def report(args, records, cm) -> None:
         e = errs([r for r in groups if r["size"] == d])
         print(f"groups of {d}: {len(e)}, median |err| {np.median(np.abs(e)):.1%}, median signed {np.median(e):+.1%}")
     summary = {"step_median_abs_err": float(np.median(np.abs(es))), "step_median_signed_err": float(np.median(es)),
-               "group_median_abs_err": float(np.median(np.abs(eg))), "target_step_median_abs_err": 0.15}
+               "group_median_abs_err": float(np.median(np.abs(eg))), "target_step_median_abs_err": 0.15,
+               "by_group_size": {str(d): {"groups": int(len(e)), "median_abs_err": float(np.median(np.abs(e))),
+                                          "median_signed_err": float(np.median(e)),
+                                          "spans_nodes": d > cm.cluster.gpus_per_node}
+                                 for d in by_size for e in [errs([r for r in groups if r["size"] == d])]}}
     print(f"step: median |error| {summary['step_median_abs_err']:.1%} (target <= 15%), "
           f"group: median |error| {summary['group_median_abs_err']:.1%}")
     out = Path(args.out)

@@ -58,14 +58,24 @@ class RunResult:
 
 def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
                  seq_length: int = 1024, gbs: int = 8, timeout: int = 1800,
-                 env: dict | None = None) -> RunResult:
-    """One torchrun launch of the entry script; never raises on a failed run (see ``returncode``)."""
+                 env: dict | None = None, testbed: dict | None = None) -> RunResult:
+    """One launch of the entry script; never raises on a failed run (see ``returncode``).
+
+    On this machine (torchrun, ``nproc`` ranks), or with ``testbed`` (``{"rate": "400mbit",
+    "latency": "50ms"}``) on two emulated nodes of ``nproc // 2`` ranks each, started as the Slurm
+    script starts them (``scripts/testbed/two_nodes.sh`` and ``node.sh``)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = worker_env(base=dict(os.environ, **(env or {})), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-           str(ROOT / "pretrain_gpt_flexsp.py"), *tiny_args(seq_length, gbs), "--data-path", str(data),
-           "--train-iters", str(steps), "--flexsp-plan-dir", str(out_dir), *extra]
+    script = [str(ROOT / "pretrain_gpt_flexsp.py"), *tiny_args(seq_length, gbs), "--data-path", str(data),
+              "--train-iters", str(steps), "--flexsp-plan-dir", str(out_dir), *extra]
+    if testbed is None:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), *script]
+    else:
+        env.update(NPROC=str(nproc // 2), PORT=str(free_port()), PYTHON=sys.executable)
+        cmd = ["bash", str(ROOT / "scripts" / "testbed" / "two_nodes.sh"), "--rate", testbed["rate"],
+               "--latency", testbed.get("latency", "50ms"), "--", "bash",
+               str(ROOT / "scripts" / "testbed" / "node.sh"), *script]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     text = proc.stdout + proc.stderr
     (out_dir / "run.log").write_text(text)
