@@ -5,9 +5,10 @@ its logging and ``--save/--load``; our flags come through ``extra_args_provider`
 (:data:`megatron_flexsp.integration.args.FLEXSP_FLAGS`). Data: documents of Megatron indexed
 datasets (``--data-path``), ``--global-batch-size`` documents per step.
 
-- with ``--flexsp``: Megatron runs with TP=PP=CP=1 and DP=world; every global batch is planned into
-  heterogeneous Ulysses groups and this script's patches run each rank's micro-batches;
-- without it: plain Megatron data parallelism over the same documents packed into rows.
+- with ``--flexsp``: Megatron runs with PP=CP=1, tensor parallelism inside a node (optionally with
+  ``--sequence-parallel``) and DP = world / TP; every global batch is planned into heterogeneous
+  Ulysses groups of devices (TP groups) and this script's patches run each rank's micro-batches;
+- without it: plain Megatron (data and tensor parallelism) over the same documents packed into rows.
 
 Required Megatron flags: ``--calculate-per-token-loss``; ``--dataloader-type`` is set to
 ``external``. CPU mode (``--flexsp-cpu``, default auto) runs all of it on CPU with gloo.
@@ -62,6 +63,7 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
     from megatron.training.argument_utils import core_transformer_config_from_args
 
     from megatron_flexsp.integration.attention import flexsp_layer_spec
+    from megatron_flexsp.integration.norms import sequence_parallel_block
 
     args = get_args()
     config = config or core_transformer_config_from_args(args)
@@ -72,6 +74,10 @@ def model_provider(pre_process=True, post_process=True, vp_stage=None, config=No
                                  transformer_impl=args.transformer_impl)
     else:
         spec = get_gpt_layer_local_spec(normalization=norm, qk_layernorm=args.qk_layernorm)
+    if args.sequence_parallel:  # torch norms that sum their gradients over TP
+        # negative control in the tests only: norms whose gradients are not summed over TP
+        spec = sequence_parallel_block(spec, args.num_layers,
+                                       mark=os.environ.get("FLEXSP_TEST_UNMARKED_SP_NORMS") != "1")
     return GPTModel(config=config, transformer_layer_spec=spec, vocab_size=args.padded_vocab_size,
                     max_sequence_length=args.max_position_embeddings, pre_process=pre_process,
                     post_process=post_process, fp16_lm_cross_entropy=args.fp16_lm_cross_entropy,

@@ -22,6 +22,7 @@ from megatron_flexsp.config import (BUILTIN_STRATEGIES, EXTERNAL_STRATEGIES, OVE
                                    STRATEGIES, PlannerConfig)
 from megatron_flexsp.cost_model import CostModel, load_profile
 from megatron_flexsp.model_spec import get_model
+from megatron_flexsp.parallelism import RECOMPUTE, Parallelism
 from megatron_flexsp.plan import StepPlan, validate_plan
 from megatron_flexsp.planner import plan_step
 from megatron_flexsp.sim import simulate
@@ -50,6 +51,11 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--over-length", choices=OVER_LENGTH_POLICIES, default="error")
     p.add_argument("--kv-replication", action="store_true",
                    help="GQA: allow groups larger than the KV-head count by replicating KV heads")
+    p.add_argument("--tp", type=int, default=1,
+                   help="tensor-parallel size inside a node (groups are formed over num_gpus/tp devices)")
+    p.add_argument("--sequence-parallel", action="store_true", help="TP's sequence parallelism")
+    p.add_argument("--recompute", choices=RECOMPUTE, default="none",
+                   help="activation recomputation ('full': every layer, uniform)")
     p.add_argument("--json", dest="json_out", default=None, help="write plans / results as JSON")
     p.add_argument("--time-budget", type=float, default=PlannerConfig().time_budget_s,
                    help="flexsp planning budget per batch (seconds)")
@@ -84,8 +90,9 @@ def _setup(args) -> tuple[CostModel, list, PlannerConfig, int]:
     cm = CostModel.from_profile(profile, get_model(name), num_gpus=args.num_gpus,
                                 max_seq_len=args.max_seq_len,
                                 reference_exact=args.cost_mode == "reference",
-                                allow_kv_replication=args.kv_replication)
-    if cm.cluster.gpus_per_node != args.gpus_per_node:
+                                allow_kv_replication=args.kv_replication,
+                                parallel=Parallelism(args.tp, args.sequence_parallel, args.recompute))
+    if profile.gpus_per_node != args.gpus_per_node:
         raise ValueError(f"--gpus-per-node={args.gpus_per_node} differs from profile "
                          f"{profile.name!r} ({profile.gpus_per_node})")
     lengths = load_lengths(args.lengths)

@@ -9,8 +9,10 @@ SEARCHES = ("level", "milp")
 #: Strategies of the planner itself (numpy + HiGHS).
 BUILTIN_STRATEGIES = ("static", "batchada", "megatron-dcp", "flexsp")
 #: Strategies that call code of another package, registered by the layer that imports it
-#: (``megatron-hybrid-cp``: :mod:`megatron_flexsp.integration.hybrid_cp`, Megatron's own scheduler).
-EXTERNAL_STRATEGIES = {"megatron-hybrid-cp": "megatron_flexsp.integration.hybrid_cp"}
+#: (``megatron-hybrid-cp``: :mod:`megatron_flexsp.integration.hybrid_cp`, Megatron's own scheduler;
+#: ``random``: :mod:`megatron_flexsp.sim.random_plans`, random valid plans for runtime tests).
+EXTERNAL_STRATEGIES = {"megatron-hybrid-cp": "megatron_flexsp.integration.hybrid_cp",
+                       "random": "megatron_flexsp.sim.random_plans"}
 STRATEGIES = BUILTIN_STRATEGIES + tuple(EXTERNAL_STRATEGIES)
 SOLVER_PRIORITIES = ("idle", "low", "normal")  # CPU priority of the background solver process
 

@@ -17,7 +17,8 @@ class ModelSpec:
 
     ``num_params`` is the total parameter count; when 0 it is derived from the shape
     (:meth:`param_count`). ``dtype_bytes`` is the activation / communication element size
-    (2 for bf16). ``swiglu`` selects a gated MLP (3 FFN matrices instead of 2).
+    (2 for bf16). ``swiglu`` selects a gated MLP (3 FFN matrices instead of 2);
+    ``untied_embeddings``: the output layer has its own ``vocab x hidden`` matrix.
     """
 
     name: str
@@ -31,6 +32,7 @@ class ModelSpec:
     dtype_bytes: int = 2
     swiglu: bool = False
     learned_positions: bool = False
+    untied_embeddings: bool = False
 
     def __post_init__(self) -> None:
         if self.num_kv_heads == 0:
@@ -72,7 +74,8 @@ class ModelSpec:
         if self.num_params > 0:
             return float(self.num_params)
         positions = max_seq_len if self.learned_positions else 0
-        return float(self.num_layers * self.layer_params() + (self.vocab_size + positions) * self.hidden_size)
+        vocab = self.vocab_size * (2 if self.untied_embeddings else 1)
+        return float(self.num_layers * self.layer_params() + (vocab + positions) * self.hidden_size)
 
     def linear_flops_per_token(self) -> float:
         """Forward+backward GEMM FLOPs per token (3 x 2 x matrix parameters, output layer included)."""
@@ -106,13 +109,20 @@ class ModelSpec:
         return cls(**data)
 
 
-#: Shapes of the paper's models (FlexSP Table; GPT-2 vocabulary, learned absolute positions).
+#: Shapes of the paper's models (FlexSP Table; GPT-2 vocabulary, learned absolute positions) and of
+#: public Llama-family models (their published configs: RoPE, SwiGLU, untied output layer, GQA).
 PRESETS: dict[str, ModelSpec] = {
     "gpt-7b": ModelSpec("gpt-7b", 32, 4096, 64, learned_positions=True),
     "gpt-13b": ModelSpec("gpt-13b", 40, 5120, 64, learned_positions=True),
     "gpt-30b": ModelSpec("gpt-30b", 60, 6656, 64, learned_positions=True),
     "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, num_kv_heads=8, ffn_hidden_size=14336,
-                           vocab_size=128256, swiglu=True),
+                           vocab_size=128256, swiglu=True, untied_embeddings=True),
+    "llama2-13b": ModelSpec("llama2-13b", 40, 5120, 40, ffn_hidden_size=13824, vocab_size=32000,
+                            swiglu=True, untied_embeddings=True),
+    "codellama-34b": ModelSpec("codellama-34b", 48, 8192, 64, num_kv_heads=8, ffn_hidden_size=22016,
+                               vocab_size=32000, swiglu=True, untied_embeddings=True),
+    "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, num_kv_heads=8, ffn_hidden_size=28672,
+                            vocab_size=128256, swiglu=True, untied_embeddings=True),
     "tiny": ModelSpec("tiny", 2, 64, 4, ffn_hidden_size=256, vocab_size=1024, dtype_bytes=4),
 }
 

@@ -72,6 +72,7 @@ class StepPlan:
     tokens_dropped: int = 0
     bucketing_error: float = 0.0
     info: dict = field(default_factory=dict)
+    tensor_parallel: int = 1
 
     @property
     def gap(self) -> float:
@@ -116,7 +117,8 @@ class StepPlan:
                    tokens_truncated=int(data.get("tokens_truncated", 0)),
                    tokens_dropped=int(data.get("tokens_dropped", 0)),
                    bucketing_error=float(data.get("bucketing_error", 0.0)),
-                   info=dict(data.get("info", {})))
+                   info=dict(data.get("info", {})),
+                   tensor_parallel=int(data.get("tensor_parallel", 1)))
 
     @classmethod
     def from_json(cls, text: str) -> "StepPlan":

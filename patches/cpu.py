@@ -5,6 +5,8 @@
 - ``megatron.training.training.initialize_megatron``: called with ``allow_no_cuda=True``.
 - ``megatron.training.initialize._warmup_jit_function``: no-op (19 s on CPU, and it draws from the
   RNG: compared runs must agree on skipping it, and CPU mode always skips it).
+- ``get_device_arch_version`` (where argument validation and training read it): 9, Hopper's rules,
+  so that tensor parallelism's validation (``CUDA_DEVICE_MAX_CONNECTIONS=1``) runs without a GPU.
 """
 
 from __future__ import annotations
@@ -82,6 +84,13 @@ def _make_noop(original):
     return noop
 
 
+def _make_arch(original):
+    def get_device_arch_version():
+        return 9
+
+    return get_device_arch_version
+
+
 _SEED_PARAMS = ("seed", "tp_rank", "ep_rank", "etp_rank")
 
 
@@ -95,4 +104,5 @@ def cpu_patches() -> list[Patch]:
         Patch("megatron.training.training", "initialize_megatron", _make_init,
               expect_params=("allow_no_cuda",)),
         Patch("megatron.training.initialize", "_warmup_jit_function", _make_noop),
+        Patch("megatron.training.arguments", "get_device_arch_version", _make_arch),
     ]

@@ -13,6 +13,17 @@ Memory per GPU: model and optimizer states (``replicated + sharded / num_gpus`` 
 the distributed optimizer shards over all GPUs) plus ``activation_bytes_per_token * tokens / d``, within
 the device memory minus a reserve.
 
+With tensor parallelism (:class:`~megatron_flexsp.parallelism.Parallelism`, ``tp = t``) the model
+plans over *devices* of ``t`` GPUs: ``cluster`` has ``num_gpus / t`` devices, ``gpus_per_node / t``
+per node, and ``d`` above counts devices. Compute is split by ``t`` (plus recomputation), each GPU
+sends ``1/t`` of its device's all-to-all bytes (its heads), looked up at the ``d t`` GPUs the group
+spans, and every sequence pays TP's collectives: per layer two all-reduces (or all-gather +
+reduce-scatter pairs with sequence parallelism) forward and two backward, ``2 (t-1)/t`` of the
+device's ``s/d`` tokens' hidden states each, at the profile's ``tensor_parallel`` bandwidth (or, if
+not profiled, its intra-node all-to-all bandwidth of ``t`` GPUs). States are ``replicated / t +
+sharded / num_gpus`` bytes per parameter; activations per token follow
+:meth:`Parallelism.activation_bytes_per_token`.
+
 ``reference_exact=True`` reproduces the FlexSP reference code's model instead: all-to-all bytes
 ``4*2*L*H*s*2/d`` (no ``(d-1)/d``, K/V as wide as Q), no latency term.
 """
@@ -26,6 +37,7 @@ import numpy as np
 
 from megatron_flexsp.cost_model.profile import AllToAllPoint, Profile
 from megatron_flexsp.model_spec import ModelSpec
+from megatron_flexsp.parallelism import Parallelism
 from megatron_flexsp.topology import ClusterSpec, candidate_group_sizes
 from megatron_flexsp.utils.logging import get_logger
 
@@ -105,37 +117,53 @@ class CostModel:
 
     def __init__(self, *, profile: Profile, model: ModelSpec, coeffs: ModelCoefficients,
                  cluster: ClusterSpec, reference_exact: bool = False,
-                 allow_kv_replication: bool = False) -> None:
-        if cluster.gpus_per_node != profile.gpus_per_node:
+                 allow_kv_replication: bool = False, parallel: Parallelism | None = None) -> None:
+        parallel = parallel or Parallelism()
+        tp = parallel.tp
+        if cluster.gpus_per_node * tp != profile.gpus_per_node:
             raise ValueError(f"profile {profile.name!r} describes nodes of {profile.gpus_per_node} "
-                             f"GPUs, but the cluster has gpus_per_node={cluster.gpus_per_node}")
+                             f"GPUs, but the cluster has gpus_per_node={cluster.gpus_per_node} "
+                             f"devices of tp={tp}")
+        parallel.check_heads(model.num_heads, model.num_kv_heads)
         self.profile, self.model, self.coeffs, self.cluster = profile, model, coeffs, cluster
+        self.parallel = parallel
+        self.num_gpus = cluster.num_gpus * tp
         self.reference_exact = reference_exact
         self.allow_kv_replication = allow_kv_replication
-        self.sizes = candidate_group_sizes(cluster, num_heads=model.num_heads,
-                                           num_kv_heads=model.num_kv_heads,
+        self.sizes = candidate_group_sizes(cluster, num_heads=model.num_heads // tp,
+                                           num_kv_heads=model.num_kv_heads // tp,
                                            allow_kv_replication=allow_kv_replication)
         self._bw = {d: self._bandwidth(d) for d in self.sizes}
         self._lat = {d: self._latency(d) for d in self.sizes}
+        self._tp_bw, self._tp_lat, self.tp_comm_source = self._tensor_parallel_link()
+        self._compute_factor = parallel.compute_factor(model.num_layers)
+        self._comm_extra = parallel.forward_comm_extra(model.num_layers)
+        self.activation_bytes_per_token = parallel.activation_bytes_per_token(
+            coeffs.activation_bytes_per_token, num_layers=model.num_layers,
+            hidden_size=model.hidden_size, dtype_bytes=model.dtype_bytes)
         states = self.state_bytes_per_gpu
         if states >= profile.memory_budget_bytes:
             raise ValueError(f"model states need {states / 2**30:.1f} GiB per GPU at num_gpus="
-                             f"{cluster.num_gpus}, above the memory budget "
+                             f"{self.num_gpus} and tp={tp}, above the memory budget "
                              f"{profile.memory_budget_bytes / 2**30:.1f} GiB of profile {profile.name!r}")
         self.capacity_tokens = int((profile.memory_budget_bytes - states)
-                                   // coeffs.activation_bytes_per_token)
+                                   // self.activation_bytes_per_token)
 
     @classmethod
     def from_profile(cls, profile: Profile, model: ModelSpec, *, num_gpus: int, max_seq_len: int,
                      reference_exact: bool = False, allow_analytic: bool = True,
-                     allow_kv_replication: bool = False) -> "CostModel":
+                     allow_kv_replication: bool = False,
+                     parallel: Parallelism | None = None) -> "CostModel":
         """Cost model of ``model`` on ``num_gpus`` GPUs of the profiled hardware.
 
-        Uses the profile's measured coefficients for ``model.name`` when present; otherwise derives
-        them from the shape (:func:`analytic_coefficients`) unless ``allow_analytic`` is false or
-        ``reference_exact`` is requested (which needs the reference's own constants).
+        Uses the profile's measured coefficients for ``model.name`` when present (measured without
+        tensor parallelism; ``parallel`` scales them); otherwise derives them from the shape
+        (:func:`analytic_coefficients`) unless ``allow_analytic`` is false or ``reference_exact`` is
+        requested (which needs the reference's own constants). With ``parallel.tp = t`` the cost
+        model's ``cluster`` counts devices of ``t`` GPUs.
         """
-        cluster = ClusterSpec(num_gpus, profile.gpus_per_node)
+        parallel = parallel or Parallelism()
+        cluster = ClusterSpec(parallel.devices(num_gpus), parallel.devices_per_node(profile.gpus_per_node))
         if model.name in profile.models:
             coeffs = profile_coefficients(model, profile, max_seq_len)
         elif reference_exact or not allow_analytic:
@@ -147,23 +175,41 @@ class CostModel:
                      100 * profile.efficiency_attention, 100 * profile.efficiency_linear)
             coeffs = analytic_coefficients(model, profile, max_seq_len)
         return cls(profile=profile, model=model, coeffs=coeffs, cluster=cluster,
-                   reference_exact=reference_exact, allow_kv_replication=allow_kv_replication)
+                   reference_exact=reference_exact, allow_kv_replication=allow_kv_replication,
+                   parallel=parallel)
 
     # ----------------------------------------------------------------------------- hardware
+    def _points(self, d: int) -> tuple[AllToAllPoint, ...]:
+        """The all-to-all table for a group of ``d`` devices (``d * tp`` GPUs)."""
+        points = self.profile.intra_node if self.cluster.is_intra_node(d) else self.profile.inter_node
+        return points or self.profile.inter_node or self.profile.intra_node  # never invent a number
+
     def _bandwidth(self, d: int) -> float:
         if d == 1:
             return math.inf
-        points = self.profile.intra_node if self.cluster.is_intra_node(d) else self.profile.inter_node
-        if not points:  # fall back to the other table rather than invent a number
-            points = self.profile.inter_node or self.profile.intra_node
-        return _interp(points, d, "bandwidth_mib_per_ms")
+        return _interp(self._points(d), d * self.parallel.tp, "bandwidth_mib_per_ms")
 
     def _latency(self, d: int) -> float:
         if d == 1 or self.reference_exact:
             return 0.0
-        points = self.profile.intra_node if self.cluster.is_intra_node(d) else self.profile.inter_node
-        points = points or self.profile.inter_node or self.profile.intra_node
-        return _interp(points, d, "latency_ms")
+        return _interp(self._points(d), d * self.parallel.tp, "latency_ms")
+
+    def _tensor_parallel_link(self) -> tuple[float, float, str]:
+        """Bandwidth (MiB/ms per GPU) and latency (ms per call) of TP's collectives, and where they
+        come from: the profile's ``tensor_parallel`` table, else its intra-node all-to-all."""
+        tp = self.parallel.tp
+        if tp == 1:
+            return math.inf, 0.0, "none"
+        if self.profile.tensor_parallel:
+            pts, source = self.profile.tensor_parallel, "profiled"
+        elif self.profile.intra_node:
+            pts, source = self.profile.intra_node, "intra-node all-to-all (not profiled)"
+            log.info("profile %s has no tensor_parallel table: TP collectives priced at its "
+                     "intra-node all-to-all bandwidth of %d GPUs", self.profile.name, tp)
+        else:
+            raise ValueError(f"profile {self.profile.name!r} has neither a tensor_parallel nor an "
+                             f"intra_node table to price tensor parallelism of size {tp}")
+        return (_interp(pts, tp, "bandwidth_mib_per_ms"), _interp(pts, tp, "latency_ms"), source)
 
     # ----------------------------------------------------------------------------- time
     def _check_size(self, d: int) -> None:
@@ -174,7 +220,8 @@ class CostModel:
     def compute_ms(self, lens, d: int) -> np.ndarray:
         """Attention + GEMM time per GPU of sequences ``lens`` on a group of ``d``, shape of ``lens``."""
         s = np.asarray(lens, dtype=np.float64)
-        return (self.coeffs.a_attn_ms_per_token2 * s * s + self.coeffs.a_lin_ms_per_token * s) / d
+        c = self.coeffs
+        return (c.a_attn_ms_per_token2 * s * s + c.a_lin_ms_per_token * s) * (self._compute_factor / d)
 
     def alltoall_bytes(self, lens, d: int) -> np.ndarray:
         """Bytes each GPU of a group of ``d`` sends in Ulysses all-to-alls (fwd+bwd, all layers)."""
@@ -184,9 +231,27 @@ class CostModel:
             return np.zeros_like(s)
         if self.reference_exact:
             return 4.0 * 2.0 * m.num_layers * m.hidden_size * s * 2.0 / d
-        kv_heads = max(m.num_kv_heads, d) if (self.allow_kv_replication and d > m.num_kv_heads) else 0
-        elems = m.alltoall_elems_per_token(kv_heads)
-        return 2.0 * m.num_layers * elems * m.dtype_bytes * (s / d) * (d - 1) / d
+        tp = self.parallel.tp
+        local_kv = m.num_kv_heads // tp
+        kv_heads = d * tp if (self.allow_kv_replication and d > local_kv) else 0
+        elems = m.alltoall_elems_per_token(kv_heads) / tp  # this GPU's heads
+        return 2.0 * m.num_layers * elems * m.dtype_bytes * (s / d) * (d - 1) / d * self._comm_extra
+
+    def tensor_parallel_bytes(self, lens, d: int) -> np.ndarray:
+        """Bytes each GPU sends in TP's collectives for sequences ``lens`` on ``d`` devices: per
+        layer four all-reduce-sized exchanges of ``2 (t-1)/t`` of ``s/d`` tokens' hidden states."""
+        s = np.asarray(lens, dtype=np.float64)
+        tp, m = self.parallel.tp, self.model
+        if tp == 1:
+            return np.zeros_like(s)
+        return (4.0 * m.num_layers * 2.0 * (tp - 1) / tp * (s / d) * m.hidden_size * m.dtype_bytes
+                * self._comm_extra)
+
+    def tensor_parallel_ms(self, lens, d: int) -> np.ndarray:
+        """TP collective time per GPU of sequences ``lens`` on ``d`` devices (latency excluded)."""
+        if self.parallel.tp == 1:
+            return np.zeros(np.shape(lens))
+        return self.tensor_parallel_bytes(lens, d) / (self._tp_bw * MIB)
 
     def alltoall_ms(self, lens, d: int) -> np.ndarray:
         """All-to-all time per GPU of sequences ``lens`` on a group of ``d`` (latency excluded)."""
@@ -196,13 +261,15 @@ class CostModel:
         return self.alltoall_bytes(lens, d) / (self._bw[d] * MIB)
 
     def seq_time_ms(self, lens, d: int) -> np.ndarray:
-        """Time per sequence of ``lens`` on a group of ``d``: compute + all-to-all (ms)."""
-        return self.compute_ms(lens, d) + self.alltoall_ms(lens, d)
+        """Time per sequence of ``lens`` on a group of ``d``: compute + all-to-all + TP (ms)."""
+        out = self.compute_ms(lens, d) + self.alltoall_ms(lens, d)
+        return out + self.tensor_parallel_ms(lens, d) if self.parallel.tp > 1 else out
 
     def group_fixed_ms(self, d: int) -> float:
         """Time a group of ``d`` pays once per micro-batch: fixed overhead + all-to-all latencies."""
         self._check_size(d)
-        return self.coeffs.group_overhead_ms + 4 * self.model.num_layers * self._lat[d]
+        calls = 4 * self.model.num_layers * self._comm_extra
+        return self.coeffs.group_overhead_ms + calls * (self._lat[d] + self._tp_lat)
 
     def group_time_ms(self, lens, d: int) -> float:
         """Time of a group of ``d`` running the packed sequences ``lens`` in one micro-batch (ms)."""
@@ -213,14 +280,16 @@ class CostModel:
     # ----------------------------------------------------------------------------- memory
     @property
     def state_bytes_per_gpu(self) -> float:
-        """Parameters, gradients and optimizer states per GPU (distributed optimizer over all GPUs)."""
+        """Parameters, gradients and optimizer states per GPU (split by TP, distributed optimizer
+        over all GPUs)."""
         p = self.profile
-        return self.coeffs.num_params * (p.state_bytes_replicated
-                                         + p.state_bytes_sharded / self.cluster.num_gpus)
+        return self.coeffs.num_params * self.parallel.state_bytes_per_param(
+            p.state_bytes_replicated, p.state_bytes_sharded, self.num_gpus)
 
     def memory_bytes(self, tokens: float, d: int) -> float:
-        """Peak memory per GPU of a group of ``d`` holding ``tokens`` tokens in one micro-batch."""
-        return self.state_bytes_per_gpu + self.coeffs.activation_bytes_per_token * tokens / d
+        """Peak memory per GPU of a group of ``d`` devices holding ``tokens`` tokens in one
+        micro-batch."""
+        return self.state_bytes_per_gpu + self.activation_bytes_per_token * tokens / d
 
     def group_capacity_tokens(self, d: int) -> int:
         """Most tokens a group of ``d`` GPUs can hold in one micro-batch."""
@@ -246,4 +315,6 @@ class CostModel:
                 "coefficients_source": c.source, "reference_exact": self.reference_exact,
                 "a_attn_ms_per_token2": c.a_attn_ms_per_token2, "a_lin_ms_per_token": c.a_lin_ms_per_token,
                 "group_overhead_ms": c.group_overhead_ms, "num_params": c.num_params,
-                "capacity_tokens_per_gpu": self.capacity_tokens, "group_sizes": self.sizes}
+                "capacity_tokens_per_gpu": self.capacity_tokens, "group_sizes": self.sizes,
+                "parallel": self.parallel.to_dict(), "num_gpus": self.num_gpus,
+                "devices": self.cluster.num_gpus, "tp_comm": self.tp_comm_source}

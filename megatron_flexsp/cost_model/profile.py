@@ -47,6 +47,7 @@ class Profile:
     inter_node: tuple[AllToAllPoint, ...]
     models: dict = field(default_factory=dict)
     source: str = ""
+    tensor_parallel: tuple[AllToAllPoint, ...] = ()  # all-reduce of a TP group, by TP size
 
     @property
     def memory_budget_bytes(self) -> float:
@@ -61,7 +62,8 @@ class Profile:
         points = tuple(p for p in self.intra_node if p.group_size <= num_gpus)
         if num_gpus > 1 and not points:
             points = self.intra_node[:1]
-        return replace(self, gpus_per_node=num_gpus, intra_node=points, inter_node=())
+        tp = tuple(p for p in self.tensor_parallel if p.group_size <= num_gpus)
+        return replace(self, gpus_per_node=num_gpus, intra_node=points, inter_node=(), tensor_parallel=tp)
 
 
 def _require(data: dict, key: str, where: str):
@@ -119,6 +121,11 @@ def parse_profile(data: dict, name: str = "<dict>") -> Profile:
         if p.group_size <= gpn:
             raise ValueError(f"profile {where}: inter_node entry for group_size={p.group_size} "
                              f"fits in one node (gpus_per_node={gpn})")
+    tp_points = _points(data.get("tensor_parallel", []), where + ".tensor_parallel")
+    for p in tp_points:
+        if p.group_size > gpn:
+            raise ValueError(f"profile {where}: tensor_parallel entry for group_size={p.group_size} "
+                             f"exceeds gpus_per_node={gpn} (tensor parallelism stays inside a node)")
     prof = Profile(
         name=name, hardware=str(_require(data, "hardware", where)),
         estimated=bool(data.get("estimated", False)), gpus_per_node=gpn,
@@ -131,7 +138,7 @@ def parse_profile(data: dict, name: str = "<dict>") -> Profile:
         state_bytes_sharded=_number(states, "sharded", where + ".state_bytes_per_param"),
         group_overhead_ms_per_layer=_number(data, "group_overhead_ms_per_layer", where),
         intra_node=intra, inter_node=inter, models=dict(data.get("models", {})),
-        source=str(data.get("source", "")))
+        source=str(data.get("source", "")), tensor_parallel=tp_points)
     if prof.memory_budget_bytes <= 0:
         raise ValueError(f"profile {where}: memory_reserve_bytes={prof.memory_reserve_bytes:.0f} "
                          f"leaves no memory of device_memory_bytes={prof.device_memory_bytes:.0f}")

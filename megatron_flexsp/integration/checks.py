@@ -30,14 +30,19 @@ def optional_kernels(cuda: bool) -> dict[str, bool]:
 _UNSUPPORTED = (
     ("pipeline_model_parallel_size", lambda v: v not in (None, 1), "pipeline parallelism"),
     ("virtual_pipeline_model_parallel_size", lambda v: v not in (None, 1), "virtual pipeline stages"),
-    ("tensor_model_parallel_size", lambda v: v not in (None, 1),
-     "tensor parallelism (not supported together with --flexsp yet)"),
     ("context_parallel_size", lambda v: v not in (None, 1),
      "Megatron context parallelism (--flexsp forms its own sequence-parallel groups)"),
     ("hybrid_context_parallel", bool, "Megatron's hybrid/dynamic context parallelism"),
     ("expert_model_parallel_size", lambda v: v not in (None, 1), "expert parallelism"),
     ("num_experts", lambda v: v not in (None, 0), "mixture of experts"),
-    ("sequence_parallel", bool, "Megatron sequence parallelism (needs tensor parallelism)"),
+    ("use_megatron_fsdp", bool, "Megatron-FSDP (ZeRO-3): its parameter all-gathers run per "
+     "micro-batch on every rank, but FlexSP ranks run different numbers of micro-batches; use "
+     "--use-distributed-optimizer (ZeRO-1) with tensor parallelism for large models"),
+    ("use_torch_fsdp2", bool, "torch FSDP2 (ZeRO-3): its parameter all-gathers run per micro-batch on "
+     "every rank, but FlexSP ranks run different numbers of micro-batches; use "
+     "--use-distributed-optimizer (ZeRO-1) with tensor parallelism for large models"),
+    ("tp_comm_overlap", bool, "TP communication overlap (Transformer Engine userbuffers sized for "
+     "fixed-length sequences)"),
     ("cuda_graph_impl", lambda v: v not in (None, "none"), "CUDA graphs"),
     ("micro_batch_size", lambda v: v not in (None, 1),
      "--micro-batch-size other than 1 (FlexSP forms its own micro-batches)"),

@@ -6,6 +6,10 @@ context-parallel switch. Its :meth:`forward_backward` replaces Megatron's schedu
 the plan is broadcast), dispatches every rank its shards, and runs Megatron's no-pipelining schedule
 over this rank's micro-batches. Without ``--flexsp`` the same driver packs each rank's documents into
 rows (the plain-Megatron baseline). Rank 0 appends one JSON line per step to ``steps.jsonl``.
+
+Debugging parity: with ``FLEXSP_DEBUG_GRAD_DIR`` set, every rank saves its parameters' reduced
+gradients (Megatron's ``main_grad``, after ``finalize_model_grads``) after each step to
+``grads_iter<I>_rank<R>.pt`` there, so two runs can be compared gradient by gradient.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import itertools
+import os
 import re
 import time
 from pathlib import Path
@@ -76,6 +81,21 @@ class _SwitchingIterator:
         return item
 
 
+def megatron_tp_group(tp: int):
+    """Megatron's tensor-parallel group of this rank, checked to be the ranks ``device * tp .. + tp-1``
+    that FlexSP's devices assume (Megatron's default order with pipeline = context = 1)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    ranks = dist.get_process_group_ranks(group)
+    first = dist.get_rank() // tp * tp
+    if ranks != list(range(first, first + tp)):
+        raise RuntimeError(f"Megatron's tensor-parallel group of rank {dist.get_rank()} is {ranks}; "
+                           f"--flexsp needs consecutive ranks {list(range(first, first + tp))} (the "
+                           f"default rank order, without --use-tp-pp-dp-mapping)")
+    return group
+
+
 class StepDriver:
     """Everything a step needs besides the model; create it on every rank alike."""
 
@@ -93,18 +113,27 @@ class StepDriver:
         self.pool = None
         self.switch = None
         self.schedule = None
+        self.tp = int(getattr(args, "tensor_model_parallel_size", 1) or 1)
+        # THD shards split over TP ranks under sequence parallelism: pad to 2 d tp (Megatron's rule)
+        self.pad_multiple = self.tp if getattr(args, "sequence_parallel", False) else 1
+        self.tp_group = None
         self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
                                                      else "flexsp_out"))
         self.recorder = StepRecorder(self.out_dir, self.cm, settings.strategy if self.flexsp else "plain")
         self.planner = RunPlanner(args, settings, self.cm, self.sampler) if self.flexsp else None
         self.accounting = CheckpointAccounting(args, self.sampler, self.out_dir, self.recorder)
         self._training = None  # megatron.training.training, looked up at the first step
+        self._chunks = None  # the model chunks, seen at the first step
 
     # ------------------------------------------------------------------ data
     def data_iterator(self):
         """Global batches from Megatron's consumed-sample count on (resume continues the stream)."""
         first = self.args.consumed_train_samples // self.args.global_batch_size
-        rank, world = dist.get_rank(), dist.get_world_size()
+        device, tp_rank = divmod(dist.get_rank(), self.tp)
+        devices = dist.get_world_size() // self.tp
+        # --flexsp: TP rank 0 of each device reads and broadcasts (dispatch); plain: every TP rank
+        # reads its data-parallel rank's documents
+        source = self.source if (tp_rank == 0 or not self.flexsp) else None
         self.accounting.check_resume()
         acct = self.sampler.acct
         log.info("documents: %d, usable %d, truncated %d (%d tokens), dropped %d short / %d long; "
@@ -113,7 +142,7 @@ class StepDriver:
                  acct.dropped_too_long, first)
         step = first
         while True:
-            yield self.sampler.batch(step, self.source, rank=rank, world=world)
+            yield self.sampler.batch(step, source, rank=device, world=devices)
             step += 1
 
     # ------------------------------------------------------------------ setup on first step
@@ -129,12 +158,14 @@ class StepDriver:
                         "count every document as a full --seq-length")
         self.switch = ContextParallelSwitch(model)
         self.schedule = megatron_no_pipelining()  # checked once, not every step
+        if self.tp > 1:
+            self.tp_group = megatron_tp_group(self.tp)
         if self.flexsp:
             minutes = getattr(self.args, "distributed_timeout_minutes", None) or 10
             self.pool = SPGroupPool(self.cm.cluster, self.cm.sizes, singletons=True, device=self.device,
-                                    timeout=datetime.timedelta(minutes=minutes))
-            log.info("group pool: sizes %s on %d ranks (%d per node), attention %s",
-                     self.cm.sizes, self.cm.cluster.num_gpus, self.cm.cluster.gpus_per_node,
+                                    timeout=datetime.timedelta(minutes=minutes), tp=self.tp)
+            log.info("group pool: sizes %s on %d devices of %d rank(s) (%d per node), attention %s",
+                     self.cm.sizes, self.cm.cluster.num_gpus, self.tp, self.cm.cluster.gpus_per_node,
                      self.backend)
             if dist.get_rank() == 0:
                 self.planner.start()
@@ -158,6 +189,12 @@ class StepDriver:
         if dist.get_rank() == 0:
             loss_reduced, skipped, grad_norm = result[0], result[1], result[5]
             self.recorder.megatron_step(iteration, loss_reduced, grad_norm, skipped)
+        grad_dir = os.environ.get("FLEXSP_DEBUG_GRAD_DIR")
+        if grad_dir and self._chunks is not None:
+            grads = {name: p.main_grad.detach().clone() for c in self._chunks
+                     for name, p in c.named_parameters() if getattr(p, "main_grad", None) is not None}
+            Path(grad_dir).mkdir(parents=True, exist_ok=True)
+            torch.save(grads, Path(grad_dir) / f"grads_iter{iteration}_rank{dist.get_rank()}.pt")
 
     # ------------------------------------------------------------------ the step
     def forward_backward(self, *, forward_step_func, data_iterator, model, num_microbatches,
@@ -166,19 +203,24 @@ class StepDriver:
         chunks = model if isinstance(model, list) else [model]
         if self.switch is None:
             self._setup(chunks)
+            self._chunks = chunks
         batch = next(data_iterator)
         rank, world = dist.get_rank(), dist.get_world_size()
+        me = rank // self.tp
         device = self.device
         plan, plan_s, dispatch_s, placeholder, source = None, 0.0, 0.0, False, ""
         if self.flexsp:
             plan, plan_s, source = self.planner.plan(batch, self.pool, self.device)
             items, dispatch_s = flexsp_micro_batches(plan, batch, pool=self.pool, rank=rank, world=world,
                                                      max_position=self.args.max_position_embeddings,
-                                                     device=device)
+                                                     device=device, tp_group=self.tp_group,
+                                                     pad_multiple=self.pad_multiple)
             if not items:
-                items, placeholder = [placeholder_micro_batch(rank, self.pool.get((rank,)), device)], True
+                items = [placeholder_micro_batch(rank, self.pool.get((me,)), device, self.pad_multiple)]
+                placeholder = True
         else:
-            items = plain_micro_batches(batch, rank=rank, world=world, seq_length=self.args.seq_length,
+            items = plain_micro_batches(batch, rank=me, world=world // self.tp,
+                                        seq_length=self.args.seq_length,
                                         micro_batch_size=self.args.micro_batch_size, device=device)
         if not forward_only:
             self._count_real_tokens(items, rank)
@@ -221,11 +263,12 @@ class StepDriver:
     def _report(self, batch, plan, out, n_items, run_s, plan_s, dispatch_s, switch_s,
                 placeholder, source, act_bytes_per_token: float = 0.0) -> None:
         sums = torch.zeros(3, dtype=torch.float64, device=self.device)  # NCCL reduces GPU tensors
-        for d in out or []:
-            v = d["lm loss"].detach().view(-1).double().to(self.device)
-            sums[0] += v[0]
-            sums[1] += v[1]
-        sums[2] = float(placeholder)
+        if dist.get_rank() % self.tp == 0:  # TP peers hold the same losses: count each device once
+            for d in out or []:
+                v = d["lm loss"].detach().view(-1).double().to(self.device)
+                sums[0] += v[0]
+                sums[1] += v[1]
+            sums[2] = float(placeholder)
         worst = torch.tensor([run_s, plan_s, dispatch_s, float(n_items), switch_s, act_bytes_per_token],
                              dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)

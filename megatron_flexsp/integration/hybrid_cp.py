@@ -95,7 +95,7 @@ def plan_hybrid_cp(lens, cm: CostModel) -> StepPlan:
     return StepPlan(num_gpus=n, gpus_per_node=cm.cluster.gpus_per_node,
                     seq_lens=tuple(int(x) for x in lens), micro_batches=tuple(mbs), strategy=NAME,
                     method="megatron-balanced-cp", predicted_step_ms=step,
-                    solve_time_s=time.perf_counter() - t0,
+                    solve_time_s=time.perf_counter() - t0, tensor_parallel=cm.parallel.tp,
                     info={"megatron_step_ms": megatron_ms, "barrier_groups": len(schedule),
                           "max_seqlen_per_rank": cm.capacity_tokens})
 

@@ -39,12 +39,14 @@ class MicroBatch:
     real_lengths: tuple[int, ...] = ()  # the documents' trained lengths (for Megatron's TFLOP/s)
 
 
-def _flexsp_item(rows: torch.Tensor, lens: list[int], ranks: tuple[int, ...], group, rank: int,
-                 max_position: int, device) -> MicroBatch:
+def _flexsp_item(rows: torch.Tensor, lens: list[int], ranks: tuple[int, ...], group, index: int,
+                 max_position: int, device, multiple: int = 1) -> MicroBatch:
+    """One group's micro-batch on this rank: ``ranks`` are the group's global ranks (this rank's TP
+    rank on each device), ``index`` this rank's place among them."""
     d = len(ranks)
-    layout = build_group_layout(lens, d).to(device)  # once per micro-batch: no copies per layer
-    pos = local_positions(lens, d, ranks.index(rank)).to(device)
-    counts = [padded_length(L, d) // d for L in lens]
+    layout = build_group_layout(lens, d, multiple).to(device)  # once per micro-batch: no copies per layer
+    pos = local_positions(lens, d, index, multiple).to(device)
+    counts = [padded_length(L, d, multiple) // d for L in lens]
     per_row_len = torch.repeat_interleave(torch.tensor(lens), torch.tensor(counts)).to(device)
     mask = (pos < per_row_len).float()
     cu = layout.cu_seqlens_i32
@@ -58,22 +60,29 @@ def _flexsp_item(rows: torch.Tensor, lens: list[int], ranks: tuple[int, ...], gr
                       real_lengths=tuple(lens))
 
 
-def placeholder_micro_batch(rank: int, group, device) -> MicroBatch:
-    """Two fully masked tokens on a one-rank group: keeps Megatron's loop and DDP uniform."""
-    rows = torch.zeros(2, 2, dtype=torch.int64, device=device)
-    item = _flexsp_item(rows, [2], (rank,), group, rank, 2, device)
+def placeholder_micro_batch(rank: int, group, device, multiple: int = 1) -> MicroBatch:
+    """Fully masked tokens (2, or ``2 multiple`` under sequence parallelism) on a one-device group:
+    keeps Megatron's loop and DDP uniform."""
+    n = 2 * multiple
+    rows = torch.zeros(n, 2, dtype=torch.int64, device=device)
+    item = _flexsp_item(rows, [n], (rank,), group, 0, n, device, multiple)
     item.loss_mask.zero_()
     item.placeholder = True
     return item
 
 
 def flexsp_micro_batches(plan: StepPlan, batch: GlobalBatch, *, pool, rank: int, world: int,
-                         max_position: int, device) -> tuple[list[MicroBatch], float]:
+                         max_position: int, device, tp_group=None,
+                         pad_multiple: int = 1) -> tuple[list[MicroBatch], float]:
     """This rank's micro-batches of ``plan`` (collective: one dispatch per plan micro-batch).
 
-    Returns the items and the seconds spent in dispatch. ``pool`` maps ranks to process groups
-    (one-rank groups included); ``max_position``: size of a learned position table, if any.
+    Returns the items and the seconds spent in dispatch. ``pool`` maps devices to this rank's
+    process groups (one-device groups included; ``pool.tp`` ranks per device); ``max_position``:
+    size of a learned position table, if any; ``tp_group``: this rank's tensor-parallel group (TP
+    rank 0 reads and broadcasts); ``pad_multiple``: the TP size under sequence parallelism, else 1.
     """
+    tp = getattr(pool, "tp", 1)
+    me = rank // tp
     lengths = [int(x) for x in plan.seq_lens]
     if lengths != [int(x) for x in batch.lengths]:
         raise ValueError(f"step {batch.step}: the plan's sequence lengths differ from the batch's "
@@ -82,13 +91,15 @@ def flexsp_micro_batches(plan: StepPlan, batch: GlobalBatch, *, pool, rank: int,
     for mb in plan.micro_batches:
         groups = [(g.ranks, g.seqs) for g in mb.groups]
         t0 = time.perf_counter()
-        rows = dispatch(groups, lengths, batch.loaded, trailing=(2,), device=device)
+        rows = dispatch(groups, lengths, batch.loaded, trailing=(2,), device=device, tp=tp,
+                        tp_group=tp_group, pad_multiple=pad_multiple)
         synchronize(device)
         spent += time.perf_counter() - t0
         for g in mb.groups:
-            if rank in g.ranks:
-                items.append(_flexsp_item(rows, [lengths[s] for s in g.seqs], tuple(g.ranks),
-                                          pool.get(g.ranks), rank, max_position, device))
+            if me in g.ranks:
+                items.append(_flexsp_item(rows, [lengths[s] for s in g.seqs], pool.global_ranks(g.ranks),
+                                          pool.get(g.ranks), g.ranks.index(me), max_position, device,
+                                          pad_multiple))
     return items, spent
 
 
@@ -110,7 +121,8 @@ def _first_fit(lens: list[int], capacity: int) -> list[list[int]]:
 
 def plain_micro_batches(batch: GlobalBatch, *, rank: int, world: int, seq_length: int,
                         micro_batch_size: int, device) -> list[MicroBatch]:
-    """This rank's documents packed into rows of ``seq_length``, ``micro_batch_size`` rows each."""
+    """This data-parallel rank's documents (``rank`` of ``world`` data-parallel ranks; TP peers
+    alike) packed into rows of ``seq_length``, ``micro_batch_size`` rows each."""
     mine = [s for s in range(len(batch.lengths)) if owner(s, world) == rank]
     lens = [int(batch.lengths[s]) for s in mine]
     rows = _first_fit(lens, seq_length)

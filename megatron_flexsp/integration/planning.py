@@ -18,6 +18,7 @@ import torch.distributed as dist
 from megatron_flexsp.config import EXTERNAL_STRATEGIES
 from megatron_flexsp.cost_model import CostModel, load_profile
 from megatron_flexsp.model_spec import ModelSpec
+from megatron_flexsp.parallelism import Parallelism
 from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.planner import plan_step
 from megatron_flexsp.planner.service import PlanService
@@ -36,13 +37,16 @@ def model_spec_from_args(args) -> ModelSpec:
                      num_kv_heads=args.num_query_groups if args.group_query_attention else heads,
                      ffn_hidden_size=args.ffn_hidden_size, vocab_size=args.padded_vocab_size,
                      dtype_bytes=2 if (args.bf16 or args.fp16) else 4, swiglu=bool(args.swiglu),
-                     learned_positions=args.position_embedding_type == "learned_absolute")
+                     learned_positions=args.position_embedding_type == "learned_absolute",
+                     untied_embeddings=bool(getattr(args, "untie_embeddings_and_output_weights", False)))
 
 
 def build_cost_model(args, settings, on_cpu: bool) -> CostModel:
-    """The cost model of ``args``' model on this job's ranks (``--flexsp-profile``)."""
+    """The cost model of ``args``' model on this job's ranks (``--flexsp-profile``), planning over
+    devices of ``--tensor-model-parallel-size`` ranks."""
     profile = load_profile(args.flexsp_profile or ("cpu-gloo-measured" if on_cpu else "h200-estimate"))
     world = args.world_size
+    parallel = Parallelism.from_megatron_args(args)
     if world < profile.gpus_per_node and not world & (world - 1):
         log.info("%d ranks: one partial node of profile %s (%d per node)", world,
                  profile.name, profile.gpus_per_node)
@@ -53,14 +57,15 @@ def build_cost_model(args, settings, on_cpu: bool) -> CostModel:
                          f"need whole nodes")
     cm = CostModel.from_profile(
         profile, model_spec_from_args(args), num_gpus=world, max_seq_len=args.seq_length,
-        allow_kv_replication=settings.runtime.kv_replication)
+        allow_kv_replication=settings.runtime.kv_replication, parallel=parallel)
     if args.seq_length > cm.max_tokens:
-        m = cm.model
+        m, tp = cm.model, parallel.tp
+        per = f"/tp={tp}" if tp > 1 else ""
         raise ValueError(
             f"--seq-length {args.seq_length} is longer than the cluster can hold: "
-            f"{cm.max_tokens} tokens = {cm.capacity_tokens} per rank x the largest "
-            f"allowed group of {cm.sizes[-1]} ranks (group sizes must divide "
-            f"num_heads={m.num_heads} and num_kv_heads={m.num_kv_heads} and align with "
+            f"{cm.max_tokens} tokens = {cm.capacity_tokens} per device x the largest "
+            f"allowed group of {cm.sizes[-1]} devices of {tp} rank(s) (group sizes must divide "
+            f"num_heads={m.num_heads}{per} and num_kv_heads={m.num_kv_heads}{per} and align with "
             f"{profile.gpus_per_node} ranks per node; profile {profile.name!r}); lower "
             f"--seq-length, add ranks or use --flexsp-over-length with a smaller length")
     return cm
@@ -149,8 +154,8 @@ class RunPlanner:
         dist.broadcast_object_list(payload, src=0)
         plan = StepPlan.from_json(payload[0])
         check_agreement(payload[0], batch.step, device)
-        model = self.cm.model
-        check_plan(plan, pool, num_heads=model.num_heads, num_kv_heads=model.num_kv_heads,
+        model, tp = self.cm.model, self.cm.parallel.tp
+        check_plan(plan, pool, num_heads=model.num_heads // tp, num_kv_heads=model.num_kv_heads // tp,
                    kv_replication=self.settings.runtime.kv_replication)
         wait_s = time.perf_counter() - t0
         self._look_ahead(batch.step)

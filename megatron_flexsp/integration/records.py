@@ -39,7 +39,7 @@ class StepRecorder:
                "max_micro_batches_per_rank": int(worst["micro_batches"]), "idle_ranks": idle_ranks}
         if act_bytes_per_token > 0:
             rec["activation_bytes_per_token"] = act_bytes_per_token
-            model_value = self.cm.coeffs.activation_bytes_per_token if self.cm is not None else None
+            model_value = self.cm.activation_bytes_per_token if self.cm is not None else None
             log.info("activation memory of the Megatron model, measured in step %d: %.0f bytes per token "
                      "held at the peak of a micro-batch (cost model: %s)", batch.step, act_bytes_per_token,
                      "n/a" if model_value is None else f"{model_value:.0f}")

@@ -242,4 +242,5 @@ def to_step_plan(layout: list[list[Group]], tab: Tables, *, strategy: str, metho
     return StepPlan(num_gpus=tab.cm.cluster.num_gpus, gpus_per_node=tab.cm.cluster.gpus_per_node,
                     seq_lens=tuple(int(x) for x in tab.lens), micro_batches=tuple(mbs),
                     strategy=strategy, method=method, predicted_step_ms=step,
-                    lower_bound_ms=lower_bound_ms, solve_time_s=solve_time_s, info=info or {}, **extra)
+                    lower_bound_ms=lower_bound_ms, solve_time_s=solve_time_s, info=info or {},
+                    tensor_parallel=tab.cm.parallel.tp, **extra)

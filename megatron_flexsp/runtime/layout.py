@@ -4,6 +4,10 @@ Each sequence of length L on a group of d ranks is padded to a multiple of 2d an
 chunks; rank r holds chunks r and 2d-1-r (so every rank gets the same causal work, the layout
 Megatron's THD RoPE assumes under context parallelism). Padding sits at the end of each sequence,
 where causal attention never lets a real token see it; it is masked out of the loss.
+
+``multiple`` (default 1) pads further, to a multiple of ``2 d multiple``: with tensor parallelism's
+sequence parallelism (``multiple = tp``) every rank's shard then splits evenly over its TP ranks,
+the rule Megatron applies to THD batches under context and sequence parallelism.
 """
 
 from __future__ import annotations
@@ -13,26 +17,27 @@ from dataclasses import dataclass, replace
 import torch
 
 
-def padded_length(length: int, d: int) -> int:
-    """``length`` rounded up to a multiple of ``2 d`` (ValueError for non-positive inputs)."""
-    if length <= 0 or d <= 0:
-        raise ValueError(f"length={length} and group size d={d} must be positive")
-    return -(-length // (2 * d)) * 2 * d
+def padded_length(length: int, d: int, multiple: int = 1) -> int:
+    """``length`` rounded up to a multiple of ``2 d multiple`` (ValueError for non-positive inputs)."""
+    if length <= 0 or d <= 0 or multiple <= 0:
+        raise ValueError(f"length={length}, group size d={d} and multiple={multiple} must be positive")
+    step = 2 * d * multiple
+    return -(-length // step) * step
 
 
-def shard_positions(length: int, d: int, r: int) -> torch.Tensor:
+def shard_positions(length: int, d: int, r: int, multiple: int = 1) -> torch.Tensor:
     """Positions (in the padded sequence) that rank ``r`` of a group of ``d`` holds, ascending."""
     if not 0 <= r < d:
         raise ValueError(f"rank {r} outside a group of {d}")
-    chunk = padded_length(length, d) // (2 * d)
+    chunk = padded_length(length, d, multiple) // (2 * d)
     first = torch.arange(r * chunk, (r + 1) * chunk)
     second = torch.arange((2 * d - 1 - r) * chunk, (2 * d - r) * chunk)
     return torch.cat([first, second])
 
 
-def local_positions(lengths: list[int], size: int, r: int) -> torch.Tensor:
+def local_positions(lengths: list[int], size: int, r: int, multiple: int = 1) -> torch.Tensor:
     """Positions within their own sequences of rank r's packed tokens (padding beyond each length)."""
-    return torch.cat([shard_positions(L, size, r) for L in lengths])
+    return torch.cat([shard_positions(L, size, r, multiple) for L in lengths])
 
 
 @dataclass(frozen=True)
@@ -84,17 +89,18 @@ class GroupLayout:
         return x_T[self.gather_index.to(x_T.device)]
 
 
-def build_group_layout(lengths: list[int], size: int) -> GroupLayout:
+def build_group_layout(lengths: list[int], size: int, multiple: int = 1) -> GroupLayout:
     """Layout of sequences ``lengths`` packed on a group of ``size`` ranks (host tensors)."""
     if not lengths:
         raise ValueError("a group must run at least one sequence")
-    padded = [padded_length(L, size) for L in lengths]
+    padded = [padded_length(L, size, multiple) for L in lengths]
     starts = [0]
     for p in padded:
         starts.append(starts[-1] + p)
     local = []
     for r in range(size):
-        local.append(torch.cat([shard_positions(L, size, r) + s for L, s in zip(lengths, starts)]))
+        local.append(torch.cat([shard_positions(L, size, r, multiple) + s
+                                for L, s in zip(lengths, starts)]))
     valid = torch.zeros(starts[-1], dtype=torch.bool)
     for L, s in zip(lengths, starts):
         valid[s:s + L] = True

@@ -11,15 +11,22 @@ from megatron_flexsp.plan import StepPlan, validate_plan
 
 def check_plan(plan: StepPlan, pool, *, num_heads: int, num_kv_heads: int,
                kv_replication: bool = False) -> None:
-    """Structure (:func:`validate_plan`), cluster size, groups known to ``pool``, head divisibility.
+    """Structure (:func:`validate_plan`), cluster size, tensor parallelism, groups known to ``pool``,
+    head divisibility (``num_heads`` / ``num_kv_heads``: the heads each rank holds, i.e. divided by
+    TP).
 
-    ``pool`` needs ``__contains__(ranks)`` (an :class:`SPGroupPool`); ``pool.cluster`` its cluster.
+    ``pool`` needs ``__contains__(ranks)`` (an :class:`SPGroupPool`); ``pool.cluster`` its cluster
+    (of devices), ``pool.tp`` (default 1) its tensor-parallel size.
     """
     validate_plan(plan)
     n = pool.cluster.num_gpus
     if plan.num_gpus != n or plan.gpus_per_node != pool.cluster.gpus_per_node:
         raise ValueError(f"plan is for {plan.num_gpus} GPUs ({plan.gpus_per_node}/node), the runtime "
                          f"runs {n} ({pool.cluster.gpus_per_node}/node)")
+    tp = getattr(pool, "tp", 1)
+    if plan.tensor_parallel != tp:
+        raise ValueError(f"plan is for devices of tensor_parallel={plan.tensor_parallel} ranks, the "
+                         f"runtime runs tp={tp}")
     for j, mb in enumerate(plan.micro_batches):
         for g in mb.groups:
             if g.ranks not in pool:

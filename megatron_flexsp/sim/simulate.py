@@ -47,6 +47,9 @@ def simulate(plan: StepPlan, cm: CostModel) -> SimResult:
     if plan.num_gpus != cm.cluster.num_gpus or plan.gpus_per_node != cm.cluster.gpus_per_node:
         raise ValueError(f"plan is for {plan.num_gpus} GPUs ({plan.gpus_per_node}/node), cost model for "
                          f"{cm.cluster.num_gpus} GPUs ({cm.cluster.gpus_per_node}/node)")
+    if plan.tensor_parallel != cm.parallel.tp:
+        raise ValueError(f"plan is for devices of tensor_parallel={plan.tensor_parallel} GPUs, cost "
+                         f"model for tp={cm.parallel.tp}")
     lens = np.asarray(plan.seq_lens, dtype=np.int64)
     mb_ms, group_ms = [], []
     busy = a2a = 0.0

@@ -58,15 +58,18 @@ class RunResult:
 
 def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
                  seq_length: int = 1024, gbs: int = 8, timeout: int = 1800,
-                 env: dict | None = None, testbed: dict | None = None) -> RunResult:
+                 env: dict | None = None, testbed: dict | None = None,
+                 without: tuple[str, ...] = ()) -> RunResult:
     """One launch of the entry script; never raises on a failed run (see ``returncode``).
 
     On this machine (torchrun, ``nproc`` ranks), or with ``testbed`` (``{"rate": "400mbit",
     "latency": "50ms"}``) on two emulated nodes of ``nproc // 2`` ranks each, started as the Slurm
-    script starts them (``scripts/testbed/two_nodes.sh`` and ``node.sh``)."""
+    script starts them (``scripts/testbed/two_nodes.sh`` and ``node.sh``). ``without``: value-less
+    flags of the tiny model's arguments to leave out."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = worker_env(base=dict(os.environ, **(env or {})), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    script = [str(ROOT / "pretrain_gpt_flexsp.py"), *tiny_args(seq_length, gbs), "--data-path", str(data),
+    base = [a for a in tiny_args(seq_length, gbs) if a not in without]  # flags without values only
+    script = [str(ROOT / "pretrain_gpt_flexsp.py"), *base, "--data-path", str(data),
               "--train-iters", str(steps), "--flexsp-plan-dir", str(out_dir), *extra]
     if testbed is None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),

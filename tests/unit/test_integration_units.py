@@ -33,7 +33,8 @@ def _args(**kw):
 
 @pytest.mark.parametrize("kw, named", [
     ({"pipeline_model_parallel_size": 2}, "--pipeline-model-parallel-size=2"),
-    ({"tensor_model_parallel_size": 2}, "--tensor-model-parallel-size=2"),
+    ({"use_megatron_fsdp": True}, "--use-megatron-fsdp=True: Megatron-FSDP"),
+    ({"use_torch_fsdp2": True}, "--use-torch-fsdp2=True: torch FSDP2"),
     ({"context_parallel_size": 4}, "--context-parallel-size=4"),
     ({"cuda_graph_impl": "local"}, "--cuda-graph-impl=local"),
     ({"num_experts": 8}, "--num-experts=8"),
@@ -49,6 +50,53 @@ def test_unsupported_options_are_refused_by_name(kw, named):
 def test_plain_mode_allows_megatron_parallelism_options():
     check_megatron_args(_args(flexsp=False, micro_batch_size=4))
     check_megatron_args(_args())
+    # --flexsp runs with tensor parallelism and its sequence parallelism
+    check_megatron_args(_args(tensor_model_parallel_size=2, sequence_parallel=True))
+
+
+def test_random_plans_are_valid_deterministic_and_mixed():
+    import numpy as np
+
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+    from megatron_flexsp.parallelism import Parallelism
+    from megatron_flexsp.plan import validate_plan
+    from megatron_flexsp.planner import plan_step
+    from megatron_flexsp.sim import random_plans  # noqa: F401  (registers "random")
+
+    cm = CostModel.from_profile(load_profile("h200-estimate"), get_model("llama3-8b"), num_gpus=64,
+                                max_seq_len=1 << 17, parallel=Parallelism(tp=2, sequence_parallel=True))
+    lens = np.random.default_rng(3).integers(100, 1 << 17, 96)
+    plan = plan_step(lens, cm, strategy="random")
+    validate_plan(plan)
+    again = plan_step(lens, cm, strategy="random")
+    assert plan.tensor_parallel == 2 and plan.micro_batches == again.micro_batches
+    sizes = {g.size for mb in plan.micro_batches for g in mb.groups}
+    assert len(sizes) >= 3, sizes
+    for mb in plan.micro_batches:  # within memory
+        for g in mb.groups:
+            assert sum(int(lens[s]) for s in g.seqs) <= cm.group_capacity_tokens(g.size)
+
+
+def test_sequence_parallel_norms_are_marked_and_replace_torch_norms():
+    from types import SimpleNamespace
+
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    from megatron_flexsp.integration.norms import SequenceParallelTorchNorm, sequence_parallel_block
+
+    block = sequence_parallel_block(get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=True), 3)
+    assert len(block.layer_specs) == 3 and block.layer_norm is SequenceParallelTorchNorm
+    sub = block.layer_specs[0].submodules
+    assert sub.input_layernorm is SequenceParallelTorchNorm and sub.pre_mlp_layernorm is SequenceParallelTorchNorm
+    assert sub.self_attention.submodules.q_layernorm is not WrappedTorchNorm
+    cfg = SimpleNamespace(normalization="RMSNorm", sequence_parallel=True, persist_layer_norm=False,
+                          layernorm_zero_centered_gamma=False, memory_efficient_layer_norm=False)
+    norm = SequenceParallelTorchNorm(cfg, 16, eps=1e-6)
+    assert all(p.sequence_parallel for p in norm.parameters())
+    with pytest.raises(ValueError, match="--persist-layer-norm"):
+        SequenceParallelTorchNorm(SimpleNamespace(**{**vars(cfg), "persist_layer_norm": True}), 16)
 
 
 def test_settings_file(tmp_path):

@@ -9,12 +9,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "megatron_flexsp"
-PURE = ["megatron_flexsp", "megatron_flexsp.config", "megatron_flexsp.model_spec",
+PURE = ["megatron_flexsp", "megatron_flexsp.config", "megatron_flexsp.model_spec", "megatron_flexsp.parallelism",
         "megatron_flexsp.plan", "megatron_flexsp.topology", "megatron_flexsp.utils.logging",
         "megatron_flexsp.cost_model", "megatron_flexsp.planner", "megatron_flexsp.sim",
         "megatron_flexsp.sim.workloads", "megatron_flexsp.cli", "megatron_flexsp.planner.level",
         "megatron_flexsp.planner.bound", "megatron_flexsp.cost_model.calibrate"]
-LAYER0 = {"config", "model_spec", "plan", "topology", "utils"}
+LAYER0 = {"config", "model_spec", "parallelism", "plan", "topology", "utils"}
 LAYER1 = {"cost_model", "planner", "sim"}
 LAYER2 = {"runtime"}
 LAYER3 = {"integration"}  # with the top-level patches/ package: the only Megatron importers
