@@ -56,6 +56,9 @@ def parse_args(argv=None):
                          "Engine when installed, else sdpa; sdpa on the host)")
     ap.add_argument("--lengths", default="64,128,256,512,1024,2048,4096")
     ap.add_argument("--alltoall-bytes", default="4096,32768,262144,1048576")
+    ap.add_argument("--tensor-parallel-sizes", default="auto",
+                    help="TP sizes whose all-reduce to profile (the profile's tensor_parallel table; "
+                         "auto: powers of two from 2 to --gpus-per-node; 'none' to skip)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--megatron-run", default="",
                     help="--flexsp-plan-dir of a --flexsp Megatron run on the same ranks (steps.jsonl, "
@@ -163,6 +166,17 @@ def worker(args) -> int:
         grouped[d] = (fits, P.time_sequences(model, fits, group=pool.get(block), repeats=args.repeats,
                                              backend=backend, device=device, vocab=spec.vocab_size,
                                              progress=progress))
+    tp_sizes = ([] if args.tensor_parallel_sizes == "none" else
+                [t for t in (2, 4, 8, 16, 32) if t <= args.gpus_per_node] if args.tensor_parallel_sizes == "auto"
+                else [int(x) for x in args.tensor_parallel_sizes.split(",")])
+    allreduce = {}
+    for t in tp_sizes:  # one TP group per node-aligned block of t ranks (pool blocks of that size)
+        if t not in sizes or t > args.gpus_per_node:
+            raise ValueError(f"--tensor-parallel-sizes: {t} must be a group size of this job inside a "
+                             f"node (sizes {sizes}, {args.gpus_per_node} per node)")
+        block = tuple(range(rank // t * t, rank // t * t + t))
+        allreduce[t] = P.time_allreduce(pool.get(block), nbytes, repeats=args.repeats, device=device,
+                                        progress=progress)
     if rank == 0:
         stack_act = act
         run_steps = []
@@ -192,11 +206,18 @@ def worker(args) -> int:
         shape = {"num_layers": spec.num_layers, "hidden_size": spec.hidden_size, "num_heads": spec.num_heads,
                  "num_kv_heads": spec.num_kv_heads, "ffn_hidden_size": spec.ffn_hidden_size,
                  "vocab_size": spec.vocab_size, "swiglu": spec.swiglu, "dtype_bytes": spec.dtype_bytes}
+        # TP's all-reduce: fitted against the bytes a ring sends per rank, 2 (t-1)/t of the tensor
+        tp_fits = [fit_alltoall(t, [2.0 * (t - 1) / t * b for b in nbytes], ms) for t, ms in allreduce.items()]
+
         def build(compute):
-            return measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
-                                    model_name=spec.name, shape=shape, compute=compute, alltoall=afits,
-                                    activation_bytes_per_token=act, num_layers=spec.num_layers,
-                                    source=source)
+            out = measured_profile(base, hardware=hardware, gpus_per_node=args.gpus_per_node,
+                                   model_name=spec.name, shape=shape, compute=compute, alltoall=afits,
+                                   activation_bytes_per_token=act, num_layers=spec.num_layers,
+                                   source=source)
+            if tp_fits:
+                out["tensor_parallel"] = [{"group_size": f.group_size, "latency_ms": f.latency_ms,
+                                           "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms} for f in tp_fits]
+            return out
 
         prof = build(cfit)
         if run_steps:  # fitted against the unscaled profile's predictions, then applied
@@ -214,6 +235,7 @@ def worker(args) -> int:
             "dispatch_tokens": dispatch_tokens, "dispatch_ms": dispatch_ms,
             "dispatch_fit": {"fixed_ms": disp_fixed, "ms_per_token": disp_rate},
             "alltoall_bytes": nbytes, "alltoall_ms": {str(d): v for d, v in a2a.items()},
+            "allreduce_ms": {str(t): v for t, v in allreduce.items()},
             "raw_alltoall_fit": {str(f.group_size): {"latency_ms": f.latency_ms,
                                                      "bandwidth_mib_per_ms": f.bandwidth_mib_per_ms,
                                                      "rel_err": f.rel_err} for f in raw}}
@@ -250,6 +272,9 @@ def worker(args) -> int:
                   f"{f.latency_ms:.3f} ms/call, bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms, fit error "
                   f"{f.rel_err:.1%}; raw all_to_all_single: latency {r.latency_ms:.3f} ms, bandwidth "
                   f"{r.bandwidth_mib_per_ms:.3f} MiB/ms, fit error {r.rel_err:.1%}")
+        for f in tp_fits:
+            print(f"all-reduce (tensor parallelism) size {f.group_size}: latency {f.latency_ms:.3f} ms, "
+                  f"bandwidth {f.bandwidth_mib_per_ms:.3f} MiB/ms per rank sent, fit error {f.rel_err:.1%}")
         print(f"wrote {out}")
     dist.barrier()
     dist.destroy_process_group()

@@ -63,7 +63,10 @@ def worker(args) -> int:
     import torch.distributed as dist
 
     from megatron_flexsp.config import PlannerConfig
+    import dataclasses
+
     from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.cost_model.calibrate import layer_stack_entry
     from megatron_flexsp.model_spec import ModelSpec
     from megatron_flexsp.planner import plan_step
     from megatron_flexsp.runtime import profiler as P
@@ -74,6 +77,13 @@ def worker(args) -> int:
     device, rank, world = P.init_job()
     cuda = device.type == "cuda"
     profile = load_profile(args.profile)
+    # the runtime's layer stack runs here, not Megatron: predict with the profile's compute as its
+    # layer stack measured it (a Megatron-run fit, which adds Megatron's own costs, undone)
+    models = {name: layer_stack_entry(e) for name, e in profile.models.items()}
+    if models != profile.models and rank == 0:
+        print(f"profile {profile.name}: predicting the layer stack with its compute before the fit to a "
+              f"Megatron run")
+    profile = dataclasses.replace(profile, models=models)
     entry = profile.models[args.model]
     sh = entry["shape"]
     spec = ModelSpec(args.model, sh["num_layers"], sh["hidden_size"], sh["num_heads"],

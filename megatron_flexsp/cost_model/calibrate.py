@@ -196,3 +196,21 @@ def scaled(fit: ComputeFit, training: TrainingFit) -> ComputeFit:
     return ComputeFit(fit.overhead_ms * training.scale + training.per_micro_batch_ms,
                       fit.a_lin_ms_per_token * training.scale, fit.a_attn_ms_per_token2 * training.scale,
                       fit.rel_err)
+
+
+def layer_stack_entry(entry: dict) -> dict:
+    """A profile's model entry as its layer stack measured it: the Megatron-run fit
+    (``fit.megatron_run``: compute x ``scale`` + ``per_micro_batch_ms``, see :func:`scaled`) undone.
+    For comparing predictions with the runtime's own layer stack, which lacks Megatron's costs;
+    an entry without that fit is returned as it is."""
+    run = entry.get("fit", {}).get("megatron_run")
+    if not run:
+        return entry
+    k = float(run["scale"])
+    if k <= 0:
+        raise ValueError(f"megatron_run fit has scale={k}; cannot undo it")
+    out = copy.deepcopy(entry)
+    out["a_attn_ms_per_token2"] = entry["a_attn_ms_per_token2"] / k
+    out["a_lin_ms_per_token"] = entry["a_lin_ms_per_token"] / k
+    out["group_overhead_ms"] = max(0.0, (entry["group_overhead_ms"] - float(run["per_micro_batch_ms"])) / k)
+    return out

@@ -178,6 +178,21 @@ def time_alltoall(group, nbytes: list[int], *, repeats: int, device: torch.devic
     return out
 
 
+def time_allreduce(group, nbytes: list[int], *, repeats: int, device: torch.device,
+                   progress=None) -> list[float]:
+    """Time (ms) of one all-reduce on ``group`` of a ``b``-byte tensor, for each ``b`` (the collective
+    tensor parallelism runs per layer; a ring sends ``2 (t-1)/t b`` bytes per rank)."""
+    t = dist.get_world_size(group)
+    out = []
+    for b in nbytes:
+        x = torch.ones(max(1, b // 4), dtype=torch.float32, device=device)
+        out.append(_median_ms(lambda: dist.all_reduce(x, group=group), repeats=repeats, group=group,
+                              device=device))
+        if progress:
+            progress(f"all-reduce size {t}: {b} bytes, {out[-1]:.3f} ms")
+    return out
+
+
 class SavedTensorMeter:
     """Context manager measuring the tensors autograd saves for backward (activations).
 

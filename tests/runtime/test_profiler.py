@@ -58,7 +58,12 @@ def test_profile_is_written_loadable_and_plans(measured):
     assert fit["steps"] == 3 and 0.2 < fit["scale"] < 20, fit
     assert len(data["measurements"]["compute_ms"]) == 4
     assert [p["group_size"] for p in data["alltoall"]["intra_node"]] == [2]
+    # TP's all-reduce, measured on the node's pairs: a positive bandwidth fitted to two sizes
+    assert [p["group_size"] for p in data["tensor_parallel"]] == [2]
+    assert data["tensor_parallel"][0]["bandwidth_mib_per_ms"] > 0
+    assert len(data["measurements"]["allreduce_ms"]["2"]) == 2
     prof = load_profile(str(measured))
+    assert prof.tensor_parallel[0].group_size == 2
     cm = CostModel.from_profile(prof, SPEC, num_gpus=2, max_seq_len=512)
     plan = plan_step([40, 100, 30, 20], cm)
     assert plan.predicted_step_ms > 0
