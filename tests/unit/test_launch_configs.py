@@ -47,6 +47,37 @@ def test_gpt7b_64gpu_config_parses_and_fits(monkeypatch):
     assert plan.num_gpus == 64
 
 
+def test_llama3_70b_64_h200_config_plans_with_tensor_parallelism(monkeypatch):
+    pytest.importorskip("megatron.training")
+    import numpy as np
+    from megatron.training.arguments import parse_args
+
+    from megatron_flexsp.config import PlannerConfig
+    from megatron_flexsp.integration.args import add_flexsp_args, load_settings
+    from megatron_flexsp.integration.checks import check_megatron_args
+    from megatron_flexsp.integration.planning import build_cost_model
+    from megatron_flexsp.planner import plan_step
+    from megatron_flexsp.sim import simulate
+
+    argv = _file_args(ROOT / "configs" / "llama3_70b_64h200_1m.args")
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr("sys.argv", ["pretrain_gpt_flexsp.py", *argv, "--data-path", "x",
+                                     "--dataloader-type", "external"])
+    args = parse_args(add_flexsp_args)
+    args.padded_vocab_size, args.world_size = 128256, 64
+    assert args.tensor_model_parallel_size == 8 and args.sequence_parallel
+    check_megatron_args(args, {"apex_gradient_fusion": False, "transformer_engine": True})
+    settings = load_settings(args.flexsp_config)
+    cm = build_cost_model(args, settings, on_cpu=False)  # refuses when 1M tokens do not fit
+    assert cm.cluster.num_gpus == 8 and cm.parallel.recompute == "full" and cm.model.num_kv_heads == 8
+    assert cm.sizes == [1, 2, 4, 8] and cm.max_tokens >= args.seq_length
+    lens = np.minimum(np.random.default_rng(0).lognormal(9.0, 1.8, 256).astype(int) + 64, args.seq_length)
+    lens[0] = args.seq_length
+    plan = plan_step(lens, cm, config=PlannerConfig(time_budget_s=0.5, over_length="truncate"),
+                     max_seq_len=args.seq_length)
+    assert plan.tensor_parallel == 8 and simulate(plan, cm).memory_ok
+
+
 @pytest.mark.parametrize("script", ["scripts/launch_local.sh", "scripts/slurm/train_flexsp.sbatch",
                                     "scripts/demo_cpu.sh", "scripts/tiny_gpt_args.sh",
                                     "scripts/slurm/profile.sbatch", "scripts/gpu_check.sh"])
