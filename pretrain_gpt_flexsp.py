@@ -1,9 +1,11 @@
 """Megatron GPT pretraining on whole documents, with FlexSP heterogeneous sequence parallelism.
 
 The shape of Megatron-LM's ``pretrain_gpt.py``: Megatron's argument parser, ``pretrain()``, GPTModel,
-its logging and ``--save/--load``; our flags come through ``extra_args_provider``
-(:data:`megatron_flexsp.integration.args.FLEXSP_FLAGS`). Data: documents of Megatron indexed
-datasets (``--data-path``), ``--global-batch-size`` documents per step.
+its logging, evaluation and ``--save/--load``, its loss checks; our flags come through
+``extra_args_provider`` (:data:`megatron_flexsp.integration.args.FLEXSP_FLAGS`). Data: whole
+documents of Megatron indexed datasets, blended and split by Megatron's dataset builder
+(``--data-path [W] PREFIX ...``, ``--split``, ``--train/valid/test-data-path``, ``--mock-data``),
+``--global-batch-size`` documents per step (or ``--step-batch-size-schedule``).
 
 - with ``--flexsp``: Megatron runs with PP=CP=1, tensor parallelism inside a node (optionally with
   ``--sequence-parallel``) and DP = world / TP; every global batch is planned into heterogeneous
@@ -33,13 +35,29 @@ def _flag_value(argv: list[str], flag: str, default: str) -> str:
     return default
 
 
+SPIKY_LOSS_FACTOR = 10  # as in Megatron-LM's pretrain_gpt.py: 10x the largest loss seen is a spike
+
+
 def loss_func(loss_mask, output_tensor):
-    """Per-token loss terms of one micro-batch: (sum, token count, report) for Megatron."""
+    """Per-token loss terms of one micro-batch: (sum, token count, report) for Megatron, checked by
+    Megatron's rerun state machine as ``pretrain_gpt.py`` checks them (NaN, Inf, spiky loss)."""
     import torch
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.training import get_args
 
     losses = output_tensor.view(-1).float()
     mask = loss_mask.view(-1).float()
     loss = torch.sum(losses * mask)
+    args, rerun = get_args(), get_rerun_state_machine()
+    if getattr(args, "check_for_nan_in_loss_and_grad", True):
+        rerun.validate_result(result=loss, rejection_func=torch.isnan,
+                              message="found NaN in local forward loss calculation", tolerance=0.0, fatal=True)
+        rerun.validate_result(result=loss, rejection_func=torch.isinf,
+                              message="found Inf in local forward loss calculation", tolerance=0.0, fatal=True)
+    if getattr(args, "check_for_spiky_loss", False):
+        rerun.validate_result(result=loss, rejection_func=partial(rerun.is_unexpectedly_large,
+                                                                  threshold=SPIKY_LOSS_FACTOR, context="loss"),
+                              message="Spiky loss", tolerance=0.0, fatal=False)
     num_tokens = mask.sum().to(torch.int)
     report = torch.cat([loss.detach().view(1), num_tokens.float().view(1)])
     return loss, num_tokens, {"lm loss": report}
@@ -114,7 +132,7 @@ def main(argv: list[str]) -> int:
 
     import patches
     from megatron_flexsp.integration.args import add_flexsp_args, load_settings
-    from megatron_flexsp.integration.checks import check_megatron_args, optional_kernels
+    from megatron_flexsp.integration.checks import check_megatron_args, optional_kernels, redundant_flag_notes
     from megatron_flexsp.integration.driver import StepDriver
     from patches.datasets import helpers_patch
     from patches.distrib_optimizer import distrib_optimizer_patches
@@ -123,11 +141,16 @@ def main(argv: list[str]) -> int:
     args = parse_and_validate_args(extra_args_provider=add_flexsp_args,
                                    args_defaults={"dataloader_type": "external"})
     check_megatron_args(args, optional_kernels(cuda=not on_cpu))
+    if args.rank == 0:
+        from megatron_flexsp.utils.logging import get_logger
+
+        for note in redundant_flag_notes(args):
+            get_logger("flexsp.args").info("%s", note)
     settings = load_settings(args.flexsp_config)
     driver = StepDriver(args, settings, on_cpu=on_cpu)
 
-    def datasets_provider(*_args, **_kwargs):
-        return driver.data_iterator(), None, None
+    def datasets_provider(train_val_test_num_samples, vp_stage=None):
+        return driver.datasets(train_val_test_num_samples)
 
     datasets_provider.is_distributed = True
     provider = partial(model_provider, settings=settings, flexsp=driver.flexsp, backend=driver.backend)

@@ -72,6 +72,16 @@ def check_megatron_args(args, kernels: dict[str, bool] | None = None) -> None:
     if getattr(args, "apply_rope_fusion", False) and not te:
         problems.append("RoPE fusion (Megatron's default) needs Transformer Engine, which does not "
                         "import here: add --no-rope-fusion")
+    if getattr(args, "rampup_batch_size", None):
+        problems.append(f"--rampup-batch-size {' '.join(map(str, args.rampup_batch_size))}: "
+                        f"megatron-core 0.19 ignores it (deprecated; the batch would not ramp); use "
+                        f"--step-batch-size-schedule, which the document batches follow")
+    for attr, why in (("full_validation", "evaluation draws --eval-iters global batches of validation "
+                                          "documents per evaluation"),
+                      ("multiple_validation_sets", "one validation split is built"),
+                      ("phase_transition_iterations", "the document batches follow one schedule")):
+        if getattr(args, attr, None):
+            problems.append(f"--{attr.replace('_', '-')}: not supported ({why})")
     if not getattr(args, "calculate_per_token_loss", False):
         problems.append("--calculate-per-token-loss is required (per-token loss over the global batch)")
     if getattr(args, "dataloader_type", None) != "external":
@@ -92,3 +102,22 @@ def check_megatron_args(args, kernels: dict[str, bool] | None = None) -> None:
     if problems:
         raise ValueError("unsupported Megatron options" + (" with --flexsp" if args.flexsp else "")
                          + ":\n  " + "\n  ".join(problems))
+
+
+#: Data flags this script's document batches make redundant: accepted, with one log line each.
+REDUNDANT = (
+    ("reset_position_ids", "positions always restart at every document"),
+    ("reset_attention_mask", "attention never crosses a document boundary"),
+    ("create_attention_mask_in_dataloader", "masks are built per micro-batch from document lengths"),
+)
+
+
+def redundant_flag_notes(args) -> list[str]:
+    """One line per given flag that whole-document batches make redundant (``--num-workers``
+    included: documents are read in the training process, only by the ranks that own them)."""
+    notes = [f"--{attr.replace('_', '-')}: redundant, {why}" for attr, why in REDUNDANT
+             if getattr(args, attr, False)]
+    if getattr(args, "num_workers", 0):
+        notes.append(f"--num-workers {args.num_workers}: no DataLoader workers are used; each rank reads "
+                     f"only the documents it owns, in the training process")
+    return notes

@@ -1,6 +1,6 @@
 """One training step of ``pretrain_gpt_flexsp.py``: global batch -> plan -> micro-batches -> Megatron.
 
-:class:`StepDriver` owns the document sampler, the cost model, the group pool and the
+:class:`StepDriver` owns the document splits, the cost model, the group pool and the
 context-parallel switch. Its :meth:`forward_backward` replaces Megatron's schedule function (see
 :mod:`patches.schedule`): it takes one global batch from the data iterator, plans it (rank 0 solves,
 the plan is broadcast), dispatches every rank its shards, and runs Megatron's no-pipelining schedule
@@ -18,7 +18,6 @@ import contextlib
 import datetime
 import itertools
 import os
-import re
 import time
 from pathlib import Path
 
@@ -27,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_flexsp.integration.accounting import CheckpointAccounting
 from megatron_flexsp.integration.args import FlexSPSettings
-from megatron_flexsp.integration.data import DocumentSampler, DocumentSource, open_indexed
+from megatron_flexsp.integration.splits import BatchSchedule, build_splits
 from megatron_flexsp.integration.records import StepRecorder
 from megatron_flexsp.integration.microbatches import (flexsp_micro_batches, placeholder_micro_batch,
                                                       plain_micro_batches)
@@ -43,17 +42,6 @@ log = get_logger(__name__)
 def params_dtype(args) -> torch.dtype:
     """The activation dtype Megatron trains with (``--bf16`` / ``--fp16``, else fp32)."""
     return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
-
-
-def data_prefixes(args) -> list[str]:
-    """``--data-path`` as a list of prefixes; weighted blends are refused."""
-    paths = list(args.data_path or [])
-    if not paths:
-        raise ValueError("--data-path is required (a Megatron indexed dataset prefix)")
-    if re.fullmatch(r"[0-9.eE+-]+", paths[0]):  # Megatron's blend syntax: WEIGHT PREFIX ...
-        raise ValueError(f"--data-path {' '.join(paths)}: weighted blends are not supported by the "
-                         f"document sampler; give one or more unweighted prefixes")
-    return paths
 
 
 class _SwitchingIterator:
@@ -103,10 +91,9 @@ class StepDriver:
         self.args, self.settings, self.on_cpu = args, settings, on_cpu
         self.measure = True  # activation bytes per token, in the first step
         self.flexsp = bool(args.flexsp)
-        self.source = DocumentSource(open_indexed(data_prefixes(args)))
-        self.sampler = DocumentSampler(self.source.lengths, global_batch=args.global_batch_size,
-                                       seq_length=args.seq_length, seed=args.seed,
-                                       over_length=args.flexsp_over_length)
+        self.batches = BatchSchedule(args)
+        self.splits: dict = {}  # built when Megatron asks for datasets (datasets())
+        self.eod: int | None = None  # --eod-mask-loss: the token that trains no loss
         self.cm = build_cost_model(args, settings, on_cpu) if self.flexsp else None
         self.backend = settings.runtime.backend(on_cpu, params_dtype(args),
                                                 getattr(args, "transformer_impl", "local"))
@@ -119,30 +106,81 @@ class StepDriver:
         self.tp_group = None
         self.out_dir = Path(args.flexsp_plan_dir or (Path(args.save) / "flexsp" if args.save
                                                      else "flexsp_out"))
-        self.recorder = StepRecorder(self.out_dir, self.cm, settings.strategy if self.flexsp else "plain")
-        self.planner = RunPlanner(args, settings, self.cm, self.sampler) if self.flexsp else None
-        self.accounting = CheckpointAccounting(args, self.sampler, self.out_dir, self.recorder)
+        self.recorder = StepRecorder(self.out_dir, self.cm, settings.strategy if self.flexsp else "plain",
+                                     write=int(getattr(args, "rank", 0) or 0) == 0,
+                                     log_interval=getattr(args, "log_interval", 1))
+        self.planner = RunPlanner(args, settings, self.cm, self.train_lengths) if self.flexsp else None
+        self.accounting = CheckpointAccounting(args, self, self.out_dir, self.recorder)
         self._training = None  # megatron.training.training, looked up at the first step
         self._chunks = None  # the model chunks, seen at the first step
 
     # ------------------------------------------------------------------ data
-    def data_iterator(self):
-        """Global batches from Megatron's consumed-sample count on (resume continues the stream)."""
-        first = self.args.consumed_train_samples // self.args.global_batch_size
+    def datasets(self, sizes):
+        """Megatron's dataset provider: the train, validation and test iterators of whole-document
+        global batches, holding at least ``sizes`` samples each (``None`` for a split without
+        documents)."""
+        from megatron.training import get_tokenizer
+
+        tokenizer = get_tokenizer()
+        self.eod = tokenizer.eod if getattr(self.args, "eod_mask_loss", False) else None
+        self.splits = build_splits(self.args, tokenizer, sizes)
+        valid, test = self.splits["valid"], self.splits["test"]
+        return (self._train_iterator(),
+                self._eval_iterator(valid, int(getattr(self.args, "consumed_valid_samples", 0) or 0))
+                if valid else None,
+                self._eval_iterator(test, 0) if test else None)
+
+    @property
+    def data_acct(self):
+        """Documents left out of the train split, by reason."""
+        return self.splits["train"].acct
+
+    def train_lengths(self, step: int):
+        """Document lengths of training step ``step`` (no tokens loaded)."""
+        return self.splits["train"].batch(step, self.batches.start(step), self.batches.size(step)).lengths
+
+    def _loads(self) -> tuple[bool, int, int]:
+        """Whether this rank reads tokens, its device and the number of devices: with --flexsp TP
+        rank 0 of each device reads and broadcasts (dispatch); plain: every TP rank reads its
+        data-parallel rank's documents."""
         device, tp_rank = divmod(dist.get_rank(), self.tp)
-        devices = dist.get_world_size() // self.tp
-        # --flexsp: TP rank 0 of each device reads and broadcasts (dispatch); plain: every TP rank
-        # reads its data-parallel rank's documents
-        source = self.source if (tp_rank == 0 or not self.flexsp) else None
+        return (tp_rank == 0 or not self.flexsp), device, dist.get_world_size() // self.tp
+
+    def _train_iterator(self):
+        """Training batches from Megatron's iteration and consumed-sample count on (a resume
+        continues exactly; the batch size follows Megatron's schedule)."""
+        from megatron.core.num_microbatches_calculator import get_current_global_batch_size
+
+        step = int(self.args.iteration or 0)
+        start = self.batches.start(step)
+        if start != int(self.args.consumed_train_samples or 0):
+            raise ValueError(f"resuming at iteration {step}: Megatron consumed "
+                             f"{self.args.consumed_train_samples} samples, but this run's batch "
+                             f"schedule {self.batches.state()} starts step {step} at sample {start}")
         self.accounting.check_resume()
-        acct = self.sampler.acct
-        log.info("documents: %d, usable %d, truncated %d (%d tokens), dropped %d short / %d long; "
-                 "starting at global batch %d", acct.num_documents, acct.usable_documents,
+        load, device, devices = self._loads()
+        acct = self.data_acct
+        log.info("train documents: %d, usable %d, truncated %d (%d tokens), dropped %d short / %d long; "
+                 "starting at step %d (sample %d)", acct.num_documents, acct.usable_documents,
                  acct.truncated_documents, acct.truncated_tokens, acct.dropped_too_short,
-                 acct.dropped_too_long, first)
-        step = first
+                 acct.dropped_too_long, step, start)
         while True:
-            yield self.sampler.batch(step, source, rank=device, world=devices)
+            size = self.batches.size(step)
+            megatron_size = get_current_global_batch_size()
+            if megatron_size != size:
+                raise RuntimeError(f"step {step}: Megatron's global batch size is {megatron_size}, the "
+                                   f"document schedule's {size}: documents would be skipped or repeated")
+            yield self.splits["train"].batch(step, self.batches.start(step), size, load=load,
+                                             device=device, devices=devices)
+            step += 1
+
+    def _eval_iterator(self, split, start: int):
+        """Evaluation batches of ``--global-batch-size`` documents from sample ``start`` on."""
+        load, device, devices = self._loads()
+        size, step = self.args.global_batch_size, 0
+        while True:
+            yield split.batch(step, start, size, load=load, device=device, devices=devices)
+            start += size
             step += 1
 
     # ------------------------------------------------------------------ setup on first step
@@ -214,14 +252,15 @@ class StepDriver:
             items, dispatch_s = flexsp_micro_batches(plan, batch, pool=self.pool, rank=rank, world=world,
                                                      max_position=self.args.max_position_embeddings,
                                                      device=device, tp_group=self.tp_group,
-                                                     pad_multiple=self.pad_multiple)
+                                                     pad_multiple=self.pad_multiple, eod=self.eod)
             if not items:
                 items = [placeholder_micro_batch(rank, self.pool.get((me,)), device, self.pad_multiple)]
                 placeholder = True
         else:
             items = plain_micro_batches(batch, rank=me, world=world // self.tp,
                                         seq_length=self.args.seq_length,
-                                        micro_batch_size=self.args.micro_batch_size, device=device)
+                                        micro_batch_size=self.args.micro_batch_size, device=device,
+                                        eod=self.eod)
         if not forward_only:
             self._count_real_tokens(items, rank)
         synchronize(device)
@@ -239,7 +278,7 @@ class StepDriver:
         finally:
             self.switch.restore()
         run_s = time.perf_counter() - t0
-        if self.planner is not None:
+        if self.planner is not None and not forward_only:
             self.planner.last_step_s = run_s
         act = 0.0
         if meter is not None:
@@ -273,11 +312,10 @@ class StepDriver:
                              dtype=torch.float64, device=self.device)
         dist.all_reduce(sums)
         dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-        if dist.get_rank() != 0:
-            return
         sums, worst = sums.tolist(), worst.tolist()
-        self.recorder.record(batch, plan, loss_sum=sums[0], tokens=int(sums[1]), idle_ranks=int(sums[2]),
-                             worst=dict(zip(("run_s", "plan_s", "dispatch_s", "micro_batches", "switch_s"),
-                                            worst[:5])),
-                             source=source, solver_cpu_s=self.planner.solver_cpu_s if self.planner else 0.0,
-                             act_bytes_per_token=worst[5])
+        rec = self.recorder.record(
+            batch, plan, loss_sum=sums[0], tokens=int(sums[1]), idle_ranks=int(sums[2]),
+            worst=dict(zip(("run_s", "plan_s", "dispatch_s", "micro_batches", "switch_s"), worst[:5])),
+            source=source, solver_cpu_s=self.planner.solver_cpu_s if self.planner else 0.0,
+            act_bytes_per_token=worst[5])
+        self.recorder.publish(rec, batch.step + 1)  # Megatron's iteration count after this step

@@ -40,7 +40,7 @@ class MicroBatch:
 
 
 def _flexsp_item(rows: torch.Tensor, lens: list[int], ranks: tuple[int, ...], group, index: int,
-                 max_position: int, device, multiple: int = 1) -> MicroBatch:
+                 max_position: int, device, multiple: int = 1, eod: int | None = None) -> MicroBatch:
     """One group's micro-batch on this rank: ``ranks`` are the group's global ranks (this rank's TP
     rank on each device), ``index`` this rank's place among them."""
     d = len(ranks)
@@ -48,7 +48,10 @@ def _flexsp_item(rows: torch.Tensor, lens: list[int], ranks: tuple[int, ...], gr
     pos = local_positions(lens, d, index, multiple).to(device)
     counts = [padded_length(L, d, multiple) // d for L in lens]
     per_row_len = torch.repeat_interleave(torch.tensor(lens), torch.tensor(counts)).to(device)
-    mask = (pos < per_row_len).float()
+    mask = pos < per_row_len
+    if eod is not None:  # --eod-mask-loss: no loss where the input token is the end of document
+        mask &= rows[:, 0] != eod
+    mask = mask.float()
     cu = layout.cu_seqlens_i32
     max_len = layout.max_seqlen
     psp = FlexSPPackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -72,14 +75,15 @@ def placeholder_micro_batch(rank: int, group, device, multiple: int = 1) -> Micr
 
 
 def flexsp_micro_batches(plan: StepPlan, batch: GlobalBatch, *, pool, rank: int, world: int,
-                         max_position: int, device, tp_group=None,
-                         pad_multiple: int = 1) -> tuple[list[MicroBatch], float]:
+                         max_position: int, device, tp_group=None, pad_multiple: int = 1,
+                         eod: int | None = None) -> tuple[list[MicroBatch], float]:
     """This rank's micro-batches of ``plan`` (collective: one dispatch per plan micro-batch).
 
     Returns the items and the seconds spent in dispatch. ``pool`` maps devices to this rank's
     process groups (one-device groups included; ``pool.tp`` ranks per device); ``max_position``:
     size of a learned position table, if any; ``tp_group``: this rank's tensor-parallel group (TP
-    rank 0 reads and broadcasts); ``pad_multiple``: the TP size under sequence parallelism, else 1.
+    rank 0 reads and broadcasts); ``pad_multiple``: the TP size under sequence parallelism, else 1;
+    ``eod``: with ``--eod-mask-loss``, the end-of-document token that trains no loss.
     """
     tp = getattr(pool, "tp", 1)
     me = rank // tp
@@ -99,7 +103,7 @@ def flexsp_micro_batches(plan: StepPlan, batch: GlobalBatch, *, pool, rank: int,
             if me in g.ranks:
                 items.append(_flexsp_item(rows, [lengths[s] for s in g.seqs], pool.global_ranks(g.ranks),
                                           pool.get(g.ranks), g.ranks.index(me), max_position, device,
-                                          pad_multiple))
+                                          pad_multiple, eod))
     return items, spent
 
 
@@ -120,7 +124,7 @@ def _first_fit(lens: list[int], capacity: int) -> list[list[int]]:
 
 
 def plain_micro_batches(batch: GlobalBatch, *, rank: int, world: int, seq_length: int,
-                        micro_batch_size: int, device) -> list[MicroBatch]:
+                        micro_batch_size: int, device, eod: int | None = None) -> list[MicroBatch]:
     """This data-parallel rank's documents (``rank`` of ``world`` data-parallel ranks; TP peers
     alike) packed into rows of ``seq_length``, ``micro_batch_size`` rows each."""
     mine = [s for s in range(len(batch.lengths)) if owner(s, world) == rank]
@@ -140,7 +144,7 @@ def plain_micro_batches(batch: GlobalBatch, *, rank: int, world: int, seq_length
             for i in members:
                 x, n = batch.loaded[mine[i]], lens[i]
                 tokens[r, at:at + n], labels[r, at:at + n] = x[:, 0], x[:, 1]
-                loss_mask[r, at:at + n] = 1.0
+                loss_mask[r, at:at + n] = 1.0 if eod is None else (x[:, 0] != eod).float()
                 position_ids[r, at:at + n] = torch.arange(n)
                 doc[r, at:at + n] = i
                 at += n

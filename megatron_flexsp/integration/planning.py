@@ -72,10 +72,12 @@ def build_cost_model(args, settings, on_cpu: bool) -> CostModel:
 
 
 class RunPlanner:
-    """Rank 0's planning for one run (the other ranks only receive plans)."""
+    """Rank 0's planning for one run (the other ranks only receive plans). ``lengths_of(step)``: the
+    document lengths of training step ``step`` (for planning ahead)."""
 
-    def __init__(self, args, settings, cm: CostModel, sampler) -> None:
-        self.args, self.settings, self.cm, self.sampler = args, settings, cm, sampler
+    def __init__(self, args, settings, cm: CostModel, lengths_of) -> None:
+        self.args, self.settings, self.cm, self.lengths_of = args, settings, cm, lengths_of
+        self._last: tuple | None = None  # (split, step, plan): a replayed step reuses its plan
         self.service = None
         self.precomputed: dict[int, StepPlan] = {}
         self._sync_step = -1  # the step solved in-process when planning is asynchronous
@@ -85,11 +87,10 @@ class RunPlanner:
     def start(self) -> None:
         """Rank 0: precompute every step's plan, or start the solver process on the first step."""
         cfg = self.settings.planning
-        first = self.args.consumed_train_samples // self.args.global_batch_size
+        first = int(self.args.iteration or 0)
         if cfg.precompute:
             for step in range(first, self.args.train_iters):
-                lens = self.sampler.batch(step).lengths
-                self.precomputed[step] = self._solve_now(lens)
+                self.precomputed[step] = self._solve_now(self.lengths_of(step))
             log.info("precomputed the plans of steps %d..%d", first, self.args.train_iters - 1)
         elif cfg.asynchronous:
             self.service = PlanService(self.cm, strategy=self.settings.strategy,
@@ -99,8 +100,9 @@ class RunPlanner:
                                        imports=self._strategy_modules())
             # nothing trains yet: the first step is solved here while the solver process starts
             # (it would miss the budget while importing), and the process begins with the next one
-            self.service.request(first + 1, self.sampler.batch(first + 1).lengths)
-            self.precomputed[first] = self._solve_now(self.sampler.batch(first).lengths)
+            if first + 1 < self.args.train_iters:
+                self.service.request(first + 1, self.lengths_of(first + 1))
+            self.precomputed[first] = self._solve_now(self.lengths_of(first))
             self._sync_step = first
 
     def _strategy_modules(self) -> tuple[str, ...]:
@@ -118,6 +120,10 @@ class RunPlanner:
                          max_seq_len=self.args.seq_length)
 
     def _plan_on_rank0(self, batch) -> tuple[StepPlan, str]:
+        if self._last is not None and self._last[:2] == (batch.split, batch.step):
+            return self._last[2], "replay"  # Megatron's rerun state machine replays this batch
+        if batch.split != "train":  # evaluation: planned now, like a training step, never ahead
+            return self._solve_now(batch.lengths), "solver-sync"
         if batch.step in self.precomputed:
             source = "solver-sync" if batch.step == self._sync_step else "precomputed"
             return self.precomputed.pop(batch.step), source
@@ -140,8 +146,8 @@ class RunPlanner:
         """Rank 0: ask the solver for the next batch's plan, to be solved while ``step`` trains
         (called once all ranks hold this step's plan, so that the solver's start does not delay the
         plan's broadcast)."""
-        if self.service is not None and dist.get_rank() == 0:
-            self.service.request(step + 1, self.sampler.batch(step + 1).lengths, self.solve_budget_s())
+        if self.service is not None and dist.get_rank() == 0 and step + 1 < self.args.train_iters:
+            self.service.request(step + 1, self.lengths_of(step + 1), self.solve_budget_s())
 
     def plan(self, batch, pool, device) -> tuple[StepPlan, float, str]:
         """Collective: step ``batch.step``'s plan on every rank (from rank 0), checked against the
@@ -150,6 +156,7 @@ class RunPlanner:
         payload = [None, None]
         if dist.get_rank() == 0:
             plan, source = self._plan_on_rank0(batch)
+            self._last = (batch.split, batch.step, plan)
             payload = [plan.to_json(), source]
         dist.broadcast_object_list(payload, src=0)
         plan = StepPlan.from_json(payload[0])
@@ -158,7 +165,8 @@ class RunPlanner:
         check_plan(plan, pool, num_heads=model.num_heads // tp, num_kv_heads=model.num_kv_heads // tp,
                    kv_replication=self.settings.runtime.kv_replication)
         wait_s = time.perf_counter() - t0
-        self._look_ahead(batch.step)
+        if batch.split == "train" and payload[1] != "replay":
+            self._look_ahead(batch.step)
         return plan, wait_s, payload[1]
 
     def close(self) -> None:

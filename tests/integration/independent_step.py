@@ -3,9 +3,10 @@
 Loads the weights a run saved at iteration ``--iteration`` and computes, for the global batch of
 that step, the per-token loss over the batch and the norm of its gradient -- with Megatron's own
 GPTModel and layer spec (``get_gpt_layer_local_spec``), each document alone under a causal mask with
-positions ``0..n-2``, and the documents chosen by re-deriving the sampler's documented rule here
-(per-epoch permutations seeded by ``(seed, epoch)``, ``--global-batch-size`` documents per step,
-``--seq-length + 1`` tokens at most). Nothing of ``megatron_flexsp`` is used but CPU mode (the
+positions ``0..n-2``, and the documents chosen by re-deriving the documented rule here (the train
+split's document range ``[round(a n), round(b n))`` of the normalised ``--split``, per-epoch
+permutations of its usable documents seeded by ``(seed, 0, epoch)``, ``--global-batch-size``
+documents per step, ``--seq-length + 1`` tokens at most). Nothing of ``megatron_flexsp`` is used but CPU mode (the
 platform shim that runs Megatron on the host). Prints one JSON line: ``{"lm_loss", "grad_norm"}``.
 
     torchrun --nproc-per-node 1 tests/integration/independent_step.py <tiny model flags> \
@@ -25,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 
-def batch_documents(prefix: str, *, seed: int, global_batch: int, seq_length: int, step: int):
-    """Token arrays of global batch ``step`` (the sampler's rule, restated)."""
+def batch_documents(prefix: str, *, seed: int, global_batch: int, seq_length: int, step: int, split: str):
+    """Token arrays of global batch ``step`` (the rule, restated)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix)
@@ -34,11 +35,13 @@ def batch_documents(prefix: str, *, seed: int, global_batch: int, seq_length: in
     docs = []
     for d in range(len(bounds) - 1):
         docs.append(np.concatenate([np.asarray(ds.get(i)) for i in range(bounds[d], bounds[d + 1])]))
-    usable = [d for d in range(len(docs)) if len(docs[d]) >= 2]
+    shares = [float(x) for x in split.split(",")]
+    end = int(round(shares[0] / sum(shares) * len(docs)))
+    usable = [d for d in range(end) if len(docs[d]) >= 2]
     out = []
     for pos in range(step * global_batch, (step + 1) * global_batch):
         epoch, off = divmod(pos, len(usable))
-        perm = np.random.default_rng([seed, epoch]).permutation(len(usable))
+        perm = np.random.default_rng([seed, 0, epoch]).permutation(len(usable))
         out.append(docs[usable[perm[off]]][: seq_length + 1].astype(np.int64))
     return out
 
@@ -85,7 +88,7 @@ def main() -> int:
     if bad:
         raise RuntimeError(f"checkpoint and model differ: {bad[:5]}")
     docs = batch_documents(args.data_path[0], seed=args.seed, global_batch=args.global_batch_size,
-                           seq_length=args.seq_length, step=args.iteration)
+                           seq_length=args.seq_length, step=args.iteration, split=args.split)
     total = sum(len(d) - 1 for d in docs)
     loss_sum = torch.zeros((), dtype=torch.float64)
     for doc in docs:

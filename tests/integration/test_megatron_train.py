@@ -156,8 +156,9 @@ def test_checkpoint_carries_the_document_accounting(runs):
     rec = json.loads((runs["base"] / "ckpt" / "iter_0000003" / "flexsp_data.json").read_text())
     assert rec["format"] == "megatron-flexsp-data" and rec["documents_consumed"] == 3 * 8
     assert rec["this_run"]["documents"] == 24 and rec["this_run"]["steps"] == 3
-    assert rec["sampler"]["global_batch"] == 8 and rec["dataset"]["usable_documents"] > 0
-    assert "sampler settings unchanged" in runs["resumed"].log
+    assert rec["data"]["global_batch"] == 8 and rec["dataset"]["usable_documents"] > 0
+    assert rec["data"]["split"] == "969, 30, 1"  # Megatron's default split of --data-path
+    assert "data settings unchanged" in runs["resumed"].log
 
 
 def test_records_plans_and_picture(runs):

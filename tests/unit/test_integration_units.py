@@ -4,13 +4,14 @@ import argparse
 from types import SimpleNamespace
 
 import numpy as np
+import torch
 import pytest
 
 pytest.importorskip("torch")
 
 from megatron_flexsp.integration.args import FLEXSP_FLAGS, add_flexsp_args, load_settings  # noqa: E402
 from megatron_flexsp.integration.checks import check_megatron_args  # noqa: E402
-from megatron_flexsp.integration.data import DocumentSampler, GlobalBatch  # noqa: E402
+from megatron_flexsp.integration.data import GlobalBatch  # noqa: E402
 
 
 def test_flag_set_is_exactly_the_documented_one():
@@ -123,31 +124,77 @@ def test_settings_file(tmp_path):
     assert load_settings(str(cfg)).planning.solver_priority == "idle"
 
 
-def test_sampler_uses_every_document_once_per_epoch_and_counts_what_it_cuts():
-    lens = np.array([1, 5, 50, 7, 300, 9, 2, 40, 11, 8])  # tokens per document
-    s = DocumentSampler(lens, global_batch=3, seq_length=32, seed=7)
-    assert s.acct.dropped_too_short == 1 and s.acct.truncated_documents == 3  # 50, 300, 40 > 33
-    assert s.acct.truncated_tokens == (50 - 33) + (300 - 33) + (40 - 33)
-    usable = s.acct.usable_documents
-    assert usable == 9
-    docs = np.concatenate([s.batch_docs(k)[0] for k in range(9)])  # 27 = 3 epochs of 9
+def _indexed(tmp_path, lens, name="docs"):
+    """A Megatron indexed dataset whose document d holds tokens ``d*1000 + 0..lens[d]-1``."""
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = str(tmp_path / name)
+    b = IndexedDatasetBuilder(prefix + ".bin", dtype=np.int32)
+    for d, n in enumerate(lens):
+        b.add_item(torch.arange(n, dtype=torch.int32) + 1000 * d)
+        b.end_document()
+    b.finalize(prefix + ".idx")
+    return prefix
+
+
+def _splits(blend, sizes, *, split="100,0,0", seq_length=32, over_length="truncate", seed=7):
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+
+    from megatron_flexsp.integration.data import DocumentDataset, DocumentDatasetConfig, DocumentSplit
+
+    cfg = DocumentDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=blend, split=split,
+                                over_length=over_length)
+    built = BlendedMegatronDatasetBuilder(DocumentDataset, sizes, lambda: True, cfg).build()
+    return [DocumentSplit(ds, name) if ds is not None and len(ds) else None
+            for ds, name in zip(built, ("train", "valid", "test"))]
+
+
+def test_documents_once_per_epoch_counted_cuts_and_split_ranges(tmp_path):
+    lens = [1, 5, 50, 7, 300, 9, 2, 40, 11, 8]  # tokens per document
+    prefix = _indexed(tmp_path, lens)
+    train, _, _ = _splits(([prefix], None), [27, 0, 0])
+    a = train.acct
+    assert a.dropped_too_short == 1 and a.truncated_documents == 3  # 50, 300, 40 > 33
+    assert a.truncated_tokens == (50 - 33) + (300 - 33) + (40 - 33) and a.usable_documents == 9
+    batches = [train.batch(k, 3 * k, 3) for k in range(9)]  # 27 = 3 epochs of 9
+    docs = np.concatenate([b.doc_ids for b in batches])
+    usable = sorted(d for d in range(10) if lens[d] >= 2)
     for e in range(3):
-        assert sorted(docs[e * 9:(e + 1) * 9].tolist()) == sorted(s.usable.tolist())
+        assert sorted(docs[e * 9:(e + 1) * 9].tolist()) == usable
     assert not np.array_equal(docs[:9], docs[9:18])  # reshuffled per epoch
-    again = DocumentSampler(lens, global_batch=3, seq_length=32, seed=7)
-    assert np.array_equal(again.batch_docs(5)[0], s.batch_docs(5)[0])  # deterministic (resume)
-    b = s.batch(0)
-    assert b.lengths.max() <= 32 and (b.lengths == np.minimum(lens[b.doc_ids], 33) - 1).all()
+    again, _, _ = _splits(([prefix], None), [27, 0, 0])
+    assert np.array_equal(again.batch(5, 15, 3).doc_ids, batches[5].doc_ids)  # deterministic (resume)
+    b = train.batch(0, 0, 3, load=True)
+    assert (b.lengths == np.minimum(np.array(lens)[b.doc_ids], 33) - 1).all()
+    for s, d in enumerate(b.doc_ids):  # tokens of the right document, inputs and labels shifted by one
+        x = b.loaded[s]
+        assert x[0, 0] == 1000 * d and (x[:, 1] - x[:, 0] == 1).all() and len(x) == b.lengths[s]
+    with pytest.raises(ValueError, match="the train split holds 27 samples; position 27"):
+        train.batch(9, 27, 3)
+    # --split 60,40,0: the train split is documents 0..5, the valid split 6..9
+    tr, va, te = _splits(([prefix], None), [5, 3, 0], split="60,40,0")
+    assert set(tr.batch(0, 0, 5).doc_ids) <= set(range(6)) and set(va.batch(0, 0, 3).doc_ids) <= {6, 7, 8, 9}
+    assert te is None
 
 
-def test_sampler_policies():
-    lens = np.array([10, 100, 20])
-    drop = DocumentSampler(lens, global_batch=2, seq_length=32, seed=0, over_length="drop")
+def test_over_length_policies_and_no_usable_documents(tmp_path):
+    prefix = _indexed(tmp_path, [10, 100, 20])
+    drop, _, _ = _splits(([prefix], None), [2, 0, 0], over_length="drop")
     assert drop.acct.dropped_too_long == 1 and drop.acct.usable_documents == 2
     with pytest.raises(ValueError, match="document 1 has 100 tokens"):
-        DocumentSampler(lens, global_batch=2, seq_length=32, seed=0, over_length="error")
+        _splits(([prefix], None), [2, 0, 0], over_length="error")
+    short = _indexed(tmp_path, [1, 1], name="short")
     with pytest.raises(ValueError, match="no usable documents"):
-        DocumentSampler(np.array([1, 1]), global_batch=2, seq_length=32, seed=0)
+        _splits(([short], None), [2, 0, 0])
+
+
+def test_weighted_blend_draws_in_proportion(tmp_path):
+    a = _indexed(tmp_path, [5 + d % 7 for d in range(50)], name="a")
+    b = _indexed(tmp_path, [9 + d % 5 for d in range(50)], name="b")
+    train, _, _ = _splits(([a, b], [0.25, 0.75]), [400, 0, 0])
+    batch = train.batch(0, 0, 400)
+    from_b = sum(1 for s in range(400) if train._where(s)[0] is train.parts[1])
+    assert abs(from_b / 400 - 0.75) < 0.02 and len(batch.lengths) == 400
 
 
 def test_plain_packing_keeps_documents_whole_and_masks_across_them():
@@ -239,20 +286,25 @@ def test_shared_adam_step_is_a_real_bug_and_the_patch_unshares_it():
     assert [float(st["step"]) for st in opt.state.values()] == [2.0, 2.0, 2.0]
 
 
-def test_resume_refuses_a_changed_sampler(tmp_path):
+def test_resume_refuses_changed_data_settings(tmp_path):
     import json
 
     from megatron_flexsp.integration.accounting import CheckpointAccounting
+    from megatron_flexsp.integration.data import DataAccounting
 
-    sampler = DocumentSampler(np.array([5, 6, 7, 8]), global_batch=2, seq_length=16, seed=3)
-    args = SimpleNamespace(iteration=2, load=str(tmp_path), flexsp_over_length="truncate")
-    d = CheckpointAccounting(args, sampler, tmp_path, recorder=None)
+    args = SimpleNamespace(iteration=2, load=str(tmp_path), flexsp_over_length="truncate", seed=3,
+                           seq_length=16, split="969,30,1", data_path=["p"], train_data_path=None,
+                           valid_data_path=None, test_data_path=None, mock_data=False)
+    data = SimpleNamespace(data_acct=DataAccounting(num_documents=4, usable_documents=4),
+                           batches=SimpleNamespace(state=lambda: {"global_batch": 2,
+                                                                  "step_batch_size_schedule": None}))
+    d = CheckpointAccounting(args, data, tmp_path, recorder=None)
     (tmp_path / "iter_0000002").mkdir()
-    saved = {"sampler": dict(d.sampler_state(), global_batch=4), "documents_consumed": 8, "epoch": 2}
+    saved = {"version": 2, "data": dict(d.data_state(), global_batch=4), "documents_consumed": 4}
     (tmp_path / "iter_0000002" / "flexsp_data.json").write_text(json.dumps(saved))
     with pytest.raises(ValueError, match=r"'global_batch': \(4, 2\)"):
         d.check_resume()
-    saved["sampler"]["global_batch"] = 2
+    saved["data"]["global_batch"] = 2
     (tmp_path / "iter_0000002" / "flexsp_data.json").write_text(json.dumps(saved))
     d.check_resume()
 
