@@ -18,7 +18,8 @@ setup(
     ],
     extras_require={
         "gpu": ["transformer-engine", "flash-attn"],
-        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout>=2"],
+        "test": ["pytest>=8", "hypothesis>=6", "pytest-timeout>=2", "tensorboard>=2.15"],
+        "logging": ["tensorboard>=2.15", "wandb"],  # Megatron's --tensorboard-dir, --wandb-project
     },
     entry_points={"console_scripts": ["flexsp=megatron_flexsp.cli:main"]},
 )

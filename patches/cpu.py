@@ -7,6 +7,9 @@
   RNG: compared runs must agree on skipping it, and CPU mode always skips it).
 - ``get_device_arch_version`` (where argument validation and training read it): 9, Hopper's rules,
   so that tensor parallelism's validation (``CUDA_DEVICE_MAX_CONNECTIONS=1``) runs without a GPU.
+- ``megatron.core.tensor_parallel.random._get_cuda_rng_state`` / ``_set_cuda_rng_state``: the CPU
+  generator behind CPU mode's ``torch.cuda`` RNG stubs (activation recomputation saves and restores
+  RNG states).
 """
 
 from __future__ import annotations
@@ -91,6 +94,21 @@ def _make_arch(original):
     return get_device_arch_version
 
 
+def _make_get_rng(original):
+    def _get_cuda_rng_state(device="cuda", clone=False, graph_safe=False):
+        state = torch.cuda.get_rng_state()
+        return state.clone() if clone else state
+
+    return _get_cuda_rng_state
+
+
+def _make_set_rng(original):
+    def _set_cuda_rng_state(new_state, device=-1, graph_safe=False):
+        torch.cuda.set_rng_state(new_state)
+
+    return _set_cuda_rng_state
+
+
 _SEED_PARAMS = ("seed", "tp_rank", "ep_rank", "etp_rank")
 
 
@@ -105,4 +123,8 @@ def cpu_patches() -> list[Patch]:
               expect_params=("allow_no_cuda",)),
         Patch("megatron.training.initialize", "_warmup_jit_function", _make_noop),
         Patch("megatron.training.arguments", "get_device_arch_version", _make_arch),
+        Patch("megatron.core.tensor_parallel.random", "_get_cuda_rng_state", _make_get_rng,
+              expect_params=("device", "clone", "graph_safe")),
+        Patch("megatron.core.tensor_parallel.random", "_set_cuda_rng_state", _make_set_rng,
+              expect_params=("new_state", "device", "graph_safe")),
     ]

@@ -24,7 +24,7 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; raise SystemE
   "$PY" -m venv .venv
 fi
 if [ ! -x .venv/bin/flexsp ] || \
-   ! (cd / && "$ROOT/.venv/bin/python" -c 'import megatron_flexsp, highspy, hypothesis, torch, megatron.core') 2>/dev/null; then
+   ! (cd / && "$ROOT/.venv/bin/python" -c 'import megatron_flexsp, highspy, hypothesis, tensorboard, torch, megatron.core') 2>/dev/null; then
   echo "setup_env: installing megatron-flexsp[test] (torch, megatron-core, highspy, ...)"
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q -e '.[test]'

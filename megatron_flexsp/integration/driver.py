@@ -123,6 +123,9 @@ class StepDriver:
 
         tokenizer = get_tokenizer()
         self.eod = tokenizer.eod if getattr(self.args, "eod_mask_loss", False) else None
+        sizes = list(sizes)
+        if self.args.train_iters:  # what the batch schedule draws (Megatron counts a constant batch)
+            sizes[0] = max(sizes[0] or 0, self.batches.start(self.args.train_iters))
         self.splits = build_splits(self.args, tokenizer, sizes)
         valid, test = self.splits["valid"], self.splits["test"]
         return (self._train_iterator(),
@@ -175,9 +178,11 @@ class StepDriver:
             step += 1
 
     def _eval_iterator(self, split, start: int):
-        """Evaluation batches of ``--global-batch-size`` documents from sample ``start`` on."""
+        """Evaluation batches of Megatron's evaluation batch size (``--eval-global-batch-size``,
+        default ``--global-batch-size``) from sample ``start`` on."""
         load, device, devices = self._loads()
-        size, step = self.args.global_batch_size, 0
+        size = int(getattr(self.args, "eval_global_batch_size", None) or self.args.global_batch_size)
+        step = 0
         while True:
             yield split.batch(step, start, size, load=load, device=device, devices=devices)
             start += size

@@ -30,11 +30,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def build_dataset(prefix: Path, max_docs: int = 400) -> Path:
-    """A small indexed dataset of real documents (first ``max_docs`` stdlib definitions)."""
+def build_dataset(prefix: Path, max_docs: int = 400, source: str | None = None) -> Path:
+    """A small indexed dataset of real documents (first ``max_docs`` stdlib definitions, or those
+    under the stdlib subdirectory ``source``)."""
     if not Path(str(prefix) + ".idx").exists():
+        extra = []
+        if source:
+            import sysconfig
+
+            extra = ["--source", str(Path(sysconfig.get_paths()["stdlib"]) / source)]
         subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_demo_data.py"), "--out",
-                        str(prefix), "--max-docs", str(max_docs)], check=True, cwd=ROOT,
+                        str(prefix), "--max-docs", str(max_docs), *extra], check=True, cwd=ROOT,
                        capture_output=True, text=True)
     return prefix
 
@@ -54,12 +60,13 @@ class RunResult:
     iterations: dict[int, tuple[float, float]]  # Megatron iteration -> (lm loss, grad norm), logged
     iteration_ms: dict[int, float]  # Megatron iteration -> its logged elapsed time (ms)
     megatron: dict[int, dict]  # train_step's returns at full precision: iteration -> lm_loss, grad_norm
+    eval: list[dict]  # per evaluation batch (eval.jsonl)
 
 
-def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4, steps: int = 6,
+def run_pretrain(out_dir: Path, data: Path | None, extra: list[str], *, nproc: int = 4, steps: int = 6,
                  seq_length: int = 1024, gbs: int = 8, timeout: int = 1800,
                  env: dict | None = None, testbed: dict | None = None,
-                 without: tuple[str, ...] = ()) -> RunResult:
+                 without: tuple[str, ...] = (), raw: bool = False, on_start=None) -> RunResult:
     """One launch of the entry script; never raises on a failed run (see ``returncode``).
 
     On this machine (torchrun, ``nproc`` ranks), or with ``testbed`` (``{"rate": "400mbit",
@@ -68,8 +75,9 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
     flags of the tiny model's arguments to leave out."""
     out_dir.mkdir(parents=True, exist_ok=True)
     env = worker_env(base=dict(os.environ, **(env or {})), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    base = [a for a in tiny_args(seq_length, gbs) if a not in without]  # flags without values only
-    script = [str(ROOT / "pretrain_gpt_flexsp.py"), *base, "--data-path", str(data),
+    base = [] if raw else [a for a in tiny_args(seq_length, gbs) if a not in without]  # value-less only
+    data_args = [] if data is None else ["--data-path", str(data)]
+    script = [str(ROOT / "pretrain_gpt_flexsp.py"), *base, *data_args,
               "--train-iters", str(steps), "--flexsp-plan-dir", str(out_dir), *extra]
     if testbed is None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
@@ -79,13 +87,21 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
         cmd = ["bash", str(ROOT / "scripts" / "testbed" / "two_nodes.sh"), "--rate", testbed["rate"],
                "--latency", testbed.get("latency", "50ms"), "--", "bash",
                str(ROOT / "scripts" / "testbed" / "node.sh"), *script]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    text = proc.stdout + proc.stderr
+    if on_start is None:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+        text, code = proc.stdout + proc.stderr, proc.returncode
+    else:
+        with open(out_dir / "run.log", "w") as log:
+            running = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+            on_start(running)
+            code = running.wait(timeout=timeout)
+        text = (out_dir / "run.log").read_text()
     (out_dir / "run.log").write_text(text)
-    records = []
-    path = out_dir / "steps.jsonl"
-    if path.exists():
-        records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    def lines(name):
+        path = out_dir / name
+        return [json.loads(x) for x in path.read_text().splitlines() if x.strip()] if path.exists() else []
+
+    records = lines("steps.jsonl")
     found = list(_ITER.finditer(text))
     iters = {int(m.group(1)): (float(m.group(3)), float(m.group(4))) for m in found}
     times = {int(m.group(1)): float(m.group(2)) for m in found}
@@ -94,7 +110,7 @@ def run_pretrain(out_dir: Path, data: Path, extra: list[str], *, nproc: int = 4,
         for line in (out_dir / "megatron.jsonl").read_text().splitlines():
             rec = json.loads(line)
             megatron[rec["iteration"]] = rec
-    return RunResult(proc.returncode, text, records, iters, times, megatron)
+    return RunResult(code, text, records, iters, times, megatron, lines("eval.jsonl"))
 
 
 def run_independent(out_dir: Path, data: Path, ckpt: Path, iteration: int, *, seq_length: int = 1024,
