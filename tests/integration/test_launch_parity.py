@@ -17,6 +17,8 @@ exit signal handler.
   it) and ``--exit-interval`` each save a checkpoint and exit 0; resuming from it reproduces the
   uninterrupted run. (``--exit-duration-in-mins`` takes whole minutes, too long for this test; it
   ends the run through the same save-and-exit step of Megatron's loop as ``--exit-interval``.)
+- rerun: when Megatron's rerun state machine replays a step (an error injected into the loss
+  check), the replay reuses the step's plan and documents and reproduces its loss bit for bit;
 - TensorBoard: the run's event file holds FlexSP's per-step scalars.
 """
 
@@ -97,6 +99,10 @@ def runs(tmp_path_factory):
     out["signalled"] = _launch(base, "signalled", args, ["--save", str(base / "ckpt_sig")], steps=STEPS,
                                on_start=_sigterm_workers_after(base / "signalled" / "steps.jsonl", 3))
     out["after_signal"] = _launch(base, "after_signal", args, ["--load", str(base / "ckpt_sig")], steps=STEPS)
+    # an error injected into a loss check: Megatron replays the step, then stops the job (a transient
+    # error asks for a restart)
+    out["rerun"] = _launch(base, "rerun", args, ["--error-injection-rate", "1", "--error-injection-type",
+                                                 "transient_error"], steps=2)
     return out
 
 
@@ -195,3 +201,14 @@ def test_tensorboard_has_flexsp_scalars(runs):
         assert tag in tags, sorted(tags)[:40]
     assert len(ev.Scalars("flexsp/run_ms")) == STEPS
     assert any(t.startswith("flexsp/groups_of_") for t in tags)
+
+
+def test_a_replayed_step_reuses_its_plan_and_documents(runs):
+    run = runs["rerun"]
+    assert "Need to rerun step to check reproducibility" in run.log, run.log[-3000:]
+    replays = [k for k, r in enumerate(run.steps) if r["plan_source"] == "replay"]
+    assert replays, [r["plan_source"] for r in run.steps]
+    first, replay = run.steps[replays[0] - 1], run.steps[replays[0]]
+    assert first["step"] == replay["step"] and first["plan_source"] != "replay"
+    assert replay["group_sizes"] == first["group_sizes"] and replay["tokens"] == first["tokens"]
+    assert replay["loss"] == first["loss"]  # the same documents on the same plan: bit for bit
