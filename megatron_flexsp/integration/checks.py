@@ -108,7 +108,6 @@ def check_megatron_args(args, kernels: dict[str, bool] | None = None) -> None:
 REDUNDANT = (
     ("reset_position_ids", "positions always restart at every document"),
     ("reset_attention_mask", "attention never crosses a document boundary"),
-    ("create_attention_mask_in_dataloader", "masks are built per micro-batch from document lengths"),
 )
 
 

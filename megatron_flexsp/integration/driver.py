@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from megatron_flexsp.integration.accounting import CheckpointAccounting
 from megatron_flexsp.integration.args import FlexSPSettings
-from megatron_flexsp.integration.splits import BatchSchedule, build_splits
+from megatron_flexsp.integration.splits import BatchSchedule, build_splits, check_data_paths
 from megatron_flexsp.integration.records import StepRecorder
 from megatron_flexsp.integration.microbatches import (flexsp_micro_batches, placeholder_micro_batch,
                                                       plain_micro_batches)
@@ -91,6 +91,7 @@ class StepDriver:
         self.args, self.settings, self.on_cpu = args, settings, on_cpu
         self.measure = True  # activation bytes per token, in the first step
         self.flexsp = bool(args.flexsp)
+        check_data_paths(args)
         self.batches = BatchSchedule(args)
         self.splits: dict = {}  # built when Megatron asks for datasets (datasets())
         self.eod: int | None = None  # --eod-mask-loss: the token that trains no loss

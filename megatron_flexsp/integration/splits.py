@@ -14,7 +14,8 @@ exactly where Megatron's consumed-sample count says.
 
 from __future__ import annotations
 
-from megatron_flexsp.integration.data import DocumentDataset, DocumentDatasetConfig, DocumentSplit
+from megatron_flexsp.integration.data import (DocumentDataset, DocumentDatasetConfig, DocumentSplit,
+                                              check_prefix)
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -29,10 +30,7 @@ def build_splits(args, tokenizer, sizes) -> dict[str, DocumentSplit | None]:
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.training.utils import get_blend_and_blend_per_split
 
-    blend, per_split = get_blend_and_blend_per_split(args)
-    if blend is None and per_split is None and not getattr(args, "mock_data", False):
-        raise ValueError("no data: give --data-path (prefixes, optionally weighted), "
-                         "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    blend, per_split = get_blend_and_blend_per_split(args)  # checked by check_data_paths
     config = DocumentDatasetConfig(
         random_seed=args.seed, sequence_length=args.seq_length, blend=blend, blend_per_split=per_split,
         split=args.split, path_to_cache=args.data_cache_path, mmap_bin_files=args.mmap_bin_files,
@@ -55,6 +53,21 @@ def build_splits(args, tokenizer, sizes) -> dict[str, DocumentSplit | None]:
                          f"split has none (--split {args.split!r}); give --eval-iters 0, a split "
                          f"with a validation share, or --valid-data-path")
     return out
+
+
+def check_data_paths(args) -> None:
+    """Before training: every data prefix of the run is a Megatron indexed dataset (``ValueError``
+    naming the first that is not), or ``--mock-data`` is given."""
+    from megatron.training.utils import get_blend_and_blend_per_split
+
+    blend, per_split = get_blend_and_blend_per_split(args)
+    blends = [blend] if blend is not None else [b for b in (per_split or []) if b is not None]
+    if not blends and not getattr(args, "mock_data", False):
+        raise ValueError("no data: give --data-path (prefixes, optionally weighted), "
+                         "--train-data-path/--valid-data-path/--test-data-path, or --mock-data")
+    for prefixes, _weights in blends:
+        for prefix in prefixes:
+            check_prefix(prefix)
 
 
 class BatchSchedule:
