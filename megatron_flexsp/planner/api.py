@@ -100,6 +100,7 @@ def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
     cfg = config or PlannerConfig()
+    deadline = Deadline(cfg.time_budget_s)  # the budget covers the whole call
     original = np.asarray(seq_lens, dtype=np.int64)
     _validate_input(original)
     fix = apply_over_length(original, cm.max_tokens, cfg.over_length)
@@ -109,7 +110,7 @@ def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
     t0 = time.perf_counter()
     tab = Tables(fix.lens[kept], cm)
     if strategy == "flexsp":
-        plan = _plan_flexsp(tab, cfg)
+        plan = _plan_flexsp(tab, cfg, deadline)
     elif strategy in EXTERNAL_STRATEGIES:
         if strategy not in _REGISTERED:
             raise ValueError(f"strategy {strategy!r} calls code outside the planner: import "
@@ -160,10 +161,10 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
     return SimpleBounds(max(H.min_micro_batches(tab) * f_min + area, fastest), f_min, area)
 
 
-def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
-    """Anytime FlexSP planning within ``cfg.time_budget_s``: the best homogeneous plan, the fast
-    search and its local search, the LP bound, then the MILPs (``search="milp"``) on what is left."""
-    deadline = Deadline(cfg.time_budget_s)
+def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
+    """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
+    the best homogeneous plan, the fast search and its local search, the LP bound, then the MILPs
+    (``search="milp"``) on what is left, ending at 85% of the budget (assembling the plan follows)."""
     info: dict = {}
     candidates = []
     homo = H.best_homogeneous(tab, tab.sizes)
@@ -209,7 +210,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig) -> StepPlan:
         bound = max(bound, lp.bound_ms)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
-                                      _phase(deadline, cfg, 0.9)))
+                                      _phase(deadline, cfg, 0.85)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
