@@ -65,7 +65,8 @@ def step_milp(tab: Tables, cfg: PlannerConfig, incumbent: list[list[Group]], tai
                 if deadline.expired():
                     break
                 layout = realize(sol, tab, buckets, use_quota=use_quota, deadline=deadline)
-                out.append((tab.step_ms(layout), name, layout))
+                if layout is not None:
+                    out.append((tab.step_ms(layout), name, layout))
     bound = -math.inf
     if math.isfinite(res.dual_bound_ms):
         bound = min(res.dual_bound_ms, tail(m_max))
@@ -140,7 +141,7 @@ def refine_micro_batches_of(layout: list[list[Group]], tab: Tables, packer: Leve
         if res.objective_ms >= before * (1 - 1e-6):
             continue
         new = realize(res, tab, buckets, deadline=deadline)
-        if len(new) == 1 and tab.mb_ms(new[0]) < before * (1 - 1e-6):
+        if new is not None and len(new) == 1 and tab.mb_ms(new[0]) < before * (1 - 1e-6):
             layout[j] = new[0]
             improved += 1
     return solved, improved

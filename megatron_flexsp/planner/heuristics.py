@@ -6,6 +6,7 @@ layout. They are the baselines of the simulator and the fallbacks of the MILP pl
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 
@@ -210,18 +211,22 @@ def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
     workload. The workload proxy has no communication or linear term (as in Megatron).
     """
     n = tab.cm.cluster.num_gpus
-    remaining = sorted(range(len(tab.lens)), key=lambda i: (-tab.lens[i], i))
+    all_lens, all_sizes = tab.lens.tolist(), tab.min_size.tolist()
+    remaining = sorted(range(len(all_lens)), key=lambda i: (-all_lens[i], i))
     layout: list[list[Group]] = []
     while remaining:
         free, groups, left = n, [], []
         work: dict[int, float] = {}
         by_work: dict[int, list] = {}  # per size: groups by workload, least first
         short: dict[int, list] = {}    # per size: groups without room for a longer sequence, most room first
-        for i in remaining:  # longest first: a group set aside fits again once sequences are shorter
-            d = int(tab.min_size[i])
+        neg_lens = [-all_lens[i] for i in remaining]  # ascending: longest first
+        sizes = [all_sizes[i] for i in remaining]  # non-increasing along the order
+        pos = 0
+        while pos < len(remaining):  # longest first: a group set aside fits again once shorter
+            i, d, s = remaining[pos], sizes[pos], -neg_lens[pos]
+            pos += 1
             if d == 0:
                 return None
-            s = int(tab.lens[i])
             heap, aside = by_work.setdefault(d, []), short.setdefault(d, [])
             while aside and -aside[0][0] >= s:
                 _, uid, g = heapq.heappop(aside)
@@ -235,8 +240,12 @@ def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
                 while heap and heap[0][2].tokens + s > tab.cap[d]:
                     _, uid, g = heapq.heappop(heap)
                     heapq.heappush(aside, (-(tab.cap[d] - g.tokens), uid, g))
-                if not heap:
-                    left.append(i)
+                if not heap:  # every group of size d lacks room; so do the next ones needing d
+                    room = -aside[0][0] if aside else -1  # and longer than the most room left
+                    end = bisect.bisect_right(sizes, -d, lo=pos, key=lambda x: -x)
+                    skip = bisect.bisect_left(neg_lens, -room, lo=pos, hi=end)
+                    left += remaining[pos - 1:skip]
+                    pos = skip
                     continue
                 g = heapq.heappop(heap)[2]
             g.seqs.append(int(i))

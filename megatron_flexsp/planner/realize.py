@@ -16,8 +16,9 @@ from megatron_flexsp.planner.milp import MilpResult
 
 
 def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool = True,
-            deadline=None) -> list[list[Group]]:
-    """Real layout of ``res``. Never fails: a sequence that fits in no group opens a micro-batch.
+            deadline=None) -> list[list[Group]] | None:
+    """Real layout of ``res``, or ``None`` when ``deadline`` expires before every sequence is
+    placed. A sequence that fits in no group opens a micro-batch.
 
     ``use_quota``: place bucketed sequences preferably in the micro-batches the MILP gave their
     bucket's tokens to; without it, purely where they raise the step time least.
@@ -80,7 +81,9 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool =
     for j, mb in enumerate(layout):
         for g in mb:
             index.add(j, g)
-    for i in sorted(bucket_of, key=lambda i: (-int(tab.lens[i]), i)):
+    for n_placed, i in enumerate(sorted(bucket_of, key=lambda i: (-int(tab.lens[i]), i))):
+        if deadline is not None and n_placed % 128 == 127 and deadline.expired():
+            return None  # unfinished: the caller keeps its other candidates
         k, s = bucket_of[i], int(tab.lens[i])
         best = None
         if use_quota:
