@@ -22,6 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from megatron_flexsp.utils.launch import worker_env  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
 
 
 def parse_args():
@@ -41,6 +42,7 @@ def parse_args():
     ap.add_argument("--port", type=int, default=29534)
     ap.add_argument("--out", default="out/validate_cost_model.json")
     ap.add_argument("--plot", default="out/validate_cost_model.png")
+    ap.add_argument("--md", default=None, help="also write the tables as markdown here")
     return ap.parse_args()
 
 
@@ -203,9 +205,22 @@ def report(args, records, cm) -> None:
                                  for d in by_size for e in [errs([r for r in groups if r["size"] == d])]}}
     print(f"step: median |error| {summary['step_median_abs_err']:.1%} (target <= 15%), "
           f"group: median |error| {summary['group_median_abs_err']:.1%}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"profile": cm.describe(), "summary": summary, "records": records}, indent=1))
+    prov = provenance(profile=cm.profile.name, ranks=args.ranks, batches=args.batches, repeats=args.repeats)
+    md = header_lines(f"Cost model {cm.profile.name}: predicted against measured", prov) + [
+        "| strategy | steps | predicted ms (mean) | measured ms (mean) | median abs. error |", "|---|---|---|---|---|"]
+    for s in args.strategies.split(","):
+        rows = [r for r in steps if r["strategy"] == s]
+        md.append(f"| {s} | {len(rows)} | {np.mean([r['predicted_ms'] for r in rows]):.0f} | "
+                  f"{np.mean([r['measured_ms'] for r in rows]):.0f} | {np.median(np.abs(errs(rows))):.1%} |")
+    md += ["", "| group size | spans nodes | groups | median abs. error | median signed error (measured over predicted - 1) |",
+           "|---|---|---|---|---|"]
+    md += [f"| {d} | {'yes' if v['spans_nodes'] else 'no'} | {v['groups']} | {v['median_abs_err']:.1%} | "
+           f"{v['median_signed_err']:+.1%} |" for d, v in ((int(k), v) for k, v in summary["by_group_size"].items())]
+    md += ["", f"Step: median abs. error {summary['step_median_abs_err']:.1%} (target <= 15%); groups: "
+           f"{summary['group_median_abs_err']:.1%}. Each value is the median of {args.repeats} timed runs; "
+           f"the layer stack is predicted with the profile's Megatron-run fit undone. Plot: `{args.plot}`."]
+    write_outputs(args.out, {"provenance": prov, "profile": cm.describe(), "summary": summary,
+                             "records": records}, args.md, md if args.md else None)
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -223,7 +238,7 @@ def report(args, records, cm) -> None:
     ax.set_title(f"cost model {cm.profile.name}: step median |err| {summary['step_median_abs_err']:.1%}")
     ax.legend()
     fig.savefig(args.plot, dpi=110, bbox_inches="tight")
-    print(f"wrote {out} and {args.plot}")
+    print(f"wrote {args.out}{', ' + args.md if args.md else ''} and {args.plot}")
 
 
 def main() -> int:

@@ -331,3 +331,48 @@ def test_attention_backend_follows_installed_packages_and_dtype():
         choose_backend("te", cuda=False, dtype=bf16, installed=both)
     with pytest.raises(ValueError, match="choose auto"):
         choose_backend("cudnn", cuda=True, dtype=bf16, installed=both)
+
+
+def test_step_numbers_reach_megatron_tensorboard_and_wandb_writers(monkeypatch, tmp_path):
+    """publish() hands each scalar to Megatron's TensorBoard writer (add_scalar) and its W&B writer
+    (the wandb module: log(dict, step)) as flexsp/<name> at the iteration; evaluation records are not
+    published; without writers nothing is called."""
+    import megatron.training.global_vars as gv
+    from megatron_flexsp.integration.records import StepRecorder
+
+    class Board:
+        def __init__(self):
+            self.calls = []
+
+        def add_scalar(self, name, value, step):
+            self.calls.append((name, value, step))
+
+    class Wandb:
+        def __init__(self):
+            self.calls = []
+
+        def log(self, data, step=None):
+            self.calls.append((dict(data), step))
+
+    rec = {"step": 7, "loss": 2.5, "tokens": 4096, "run_ms": 900.0, "plan_wait_ms": 3.0, "dispatch_ms": 20.0,
+           "switch_ms": 0.1, "max_micro_batches_per_rank": 2, "idle_ranks": 0, "predicted_ms": 1000.0,
+           "gap": 0.02, "plan_source": "fallback-late", "group_sizes": [[2, 1, 1], [4]]}
+    tb, wb = Board(), Wandb()
+    monkeypatch.setattr(gv, "_GLOBAL_TENSORBOARD_WRITER", tb)
+    monkeypatch.setattr(gv, "_GLOBAL_WANDB_WRITER", wb)
+    recorder = StepRecorder(tmp_path, None, "flexsp")
+    recorder.publish(rec, 12)
+    board = {name: (value, step) for name, value, step in tb.calls}
+    assert board["flexsp/run_ms"] == (900.0, 12) and board["flexsp/predicted_ms"] == (1000.0, 12)
+    assert board["flexsp/measured_over_predicted"] == (pytest.approx(0.9), 12)
+    assert board["flexsp/plan_fallback"] == (1.0, 12) and board["flexsp/plan_from_solver"] == (0.0, 12)
+    assert board["flexsp/groups_of_1"] == (2, 12) and board["flexsp/groups_of_2"] == (1, 12)
+    assert board["flexsp/groups_of_4"] == (1, 12) and board["flexsp/gap"] == (0.02, 12)
+    assert len(wb.calls) == 1 and wb.calls[0][1] == 12
+    assert wb.calls[0][0] == {name: value for name, (value, _) in board.items()}
+    recorder.publish({**rec, "split": "valid"}, 13)  # evaluation batches go to Megatron's own eval log
+    assert len(tb.calls) == len(board) and len(wb.calls) == 1
+    monkeypatch.setattr(gv, "_GLOBAL_TENSORBOARD_WRITER", None)
+    monkeypatch.setattr(gv, "_GLOBAL_WANDB_WRITER", None)
+    recorder.publish(rec, 14)
+    assert len(tb.calls) == len(board) and len(wb.calls) == 1
