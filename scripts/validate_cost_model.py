@@ -184,38 +184,41 @@ def report(args, records, cm) -> None:
     def errs(rows):
         return np.array([r["measured_ms"] / r["predicted_ms"] - 1 for r in rows])
 
+    def stats(rows) -> dict:
+        e = errs(rows)
+        return {"count": len(rows), "predicted_ms": float(np.mean([r["predicted_ms"] for r in rows])),
+                "measured_ms": float(np.mean([r["measured_ms"] for r in rows])),
+                "median_abs_err": float(np.median(np.abs(e))), "median_signed_err": float(np.median(e))}
+
     es, eg = errs(steps), errs(groups)
+    by_strategy = {s: stats([r for r in steps if r["strategy"] == s]) for s in args.strategies.split(",")}
+    by_size = {d: stats([r for r in groups if r["size"] == d]) for d in sorted({r["size"] for r in groups})}
+    summary = {"step_median_abs_err": float(np.median(np.abs(es))), "step_median_signed_err": float(np.median(es)),
+               "group_median_abs_err": float(np.median(np.abs(eg))), "target_step_median_abs_err": 0.15,
+               "by_group_size": {str(d): {"groups": v["count"], "median_abs_err": v["median_abs_err"],
+                                          "median_signed_err": v["median_signed_err"],
+                                          "spans_nodes": d > cm.cluster.gpus_per_node}
+                                 for d, v in by_size.items()}}
     print(f"\nCost model {cm.profile.name} vs measurement, {cm.cluster.num_gpus} ranks, "
           f"{len(steps)} steps, {len(groups)} groups")
     print(f"{'strategy':>10} {'steps':>5} {'predicted ms':>13} {'measured ms':>12} {'median |err|':>13}")
-    for s in args.strategies.split(","):
-        rows = [r for r in steps if r["strategy"] == s]
-        e = errs(rows)
-        print(f"{s:>10} {len(rows):>5} {np.mean([r['predicted_ms'] for r in rows]):>13.0f} "
-              f"{np.mean([r['measured_ms'] for r in rows]):>12.0f} {np.median(np.abs(e)):>12.1%}")
-    by_size = sorted({r["size"] for r in groups})
-    for d in by_size:
-        e = errs([r for r in groups if r["size"] == d])
-        print(f"groups of {d}: {len(e)}, median |err| {np.median(np.abs(e)):.1%}, median signed {np.median(e):+.1%}")
-    summary = {"step_median_abs_err": float(np.median(np.abs(es))), "step_median_signed_err": float(np.median(es)),
-               "group_median_abs_err": float(np.median(np.abs(eg))), "target_step_median_abs_err": 0.15,
-               "by_group_size": {str(d): {"groups": int(len(e)), "median_abs_err": float(np.median(np.abs(e))),
-                                          "median_signed_err": float(np.median(e)),
-                                          "spans_nodes": d > cm.cluster.gpus_per_node}
-                                 for d in by_size for e in [errs([r for r in groups if r["size"] == d])]}}
+    for s, v in by_strategy.items():
+        print(f"{s:>10} {v['count']:>5} {v['predicted_ms']:>13.0f} {v['measured_ms']:>12.0f} "
+              f"{v['median_abs_err']:>12.1%}")
+    for d, v in by_size.items():
+        print(f"groups of {d}: {v['count']}, median |err| {v['median_abs_err']:.1%}, "
+              f"median signed {v['median_signed_err']:+.1%}")
     print(f"step: median |error| {summary['step_median_abs_err']:.1%} (target <= 15%), "
           f"group: median |error| {summary['group_median_abs_err']:.1%}")
     prov = provenance(profile=cm.profile.name, ranks=args.ranks, batches=args.batches, repeats=args.repeats)
     md = header_lines(f"Cost model {cm.profile.name}: predicted against measured", prov) + [
         "| strategy | steps | predicted ms (mean) | measured ms (mean) | median abs. error |", "|---|---|---|---|---|"]
-    for s in args.strategies.split(","):
-        rows = [r for r in steps if r["strategy"] == s]
-        md.append(f"| {s} | {len(rows)} | {np.mean([r['predicted_ms'] for r in rows]):.0f} | "
-                  f"{np.mean([r['measured_ms'] for r in rows]):.0f} | {np.median(np.abs(errs(rows))):.1%} |")
+    md += [f"| {s} | {v['count']} | {v['predicted_ms']:.0f} | {v['measured_ms']:.0f} | {v['median_abs_err']:.1%} |"
+           for s, v in by_strategy.items()]
     md += ["", "| group size | spans nodes | groups | median abs. error | median signed error (measured over predicted - 1) |",
            "|---|---|---|---|---|"]
-    md += [f"| {d} | {'yes' if v['spans_nodes'] else 'no'} | {v['groups']} | {v['median_abs_err']:.1%} | "
-           f"{v['median_signed_err']:+.1%} |" for d, v in ((int(k), v) for k, v in summary["by_group_size"].items())]
+    md += [f"| {d} | {'yes' if d > cm.cluster.gpus_per_node else 'no'} | {v['count']} | {v['median_abs_err']:.1%} | "
+           f"{v['median_signed_err']:+.1%} |" for d, v in by_size.items()]
     md += ["", f"Step: median abs. error {summary['step_median_abs_err']:.1%} (target <= 15%); groups: "
            f"{summary['group_median_abs_err']:.1%}. Each value is the median of {args.repeats} timed runs; "
            f"the layer stack is predicted with the profile's Megatron-run fit undone. Plot: `{args.plot}`."]
