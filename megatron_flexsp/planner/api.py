@@ -26,11 +26,12 @@ from megatron_flexsp.config import EXTERNAL_STRATEGIES, STRATEGIES, PlannerConfi
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
-from megatron_flexsp.planner.bound import lp_step_bound
+from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
 from megatron_flexsp.planner.exact import milp_phase
 from megatron_flexsp.planner.layout import Tables, improve_layout, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
+from megatron_flexsp.planner.slot_bound import slot_bound
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -201,6 +202,15 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     bounds = simple_bounds(tab)
     bound = bounds.base
     best_ms = min(c[0] for c in candidates)
+    if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
+        t0 = time.perf_counter()
+        try:
+            slots = slot_bound(tab)
+        except SolverTrouble as exc:
+            log.warning("%s; the slot bound is left out", exc)
+            slots = 0.0
+        info.update(slot_bound_ms=slots, slot_time_s=time.perf_counter() - t0)
+        bound = max(bound, min(slots, best_ms))
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,

@@ -71,8 +71,10 @@ class _StepLP:
         self.total1: dict[int, float] = {}   # column -> finish time alone (ms), for the T1 filter
         self.total_r: dict[int, float] = {}  # the same for the pooled micro-batches (R filter)
         area_idx, area_val, mem_idx, mem_val = [self.R], [-float(n_gpus)], [], []
-        per_d = {d: ([], [], [], [], []) for d in sizes}  # time idx/val, mem idx/val, heavy idx
-        per_r = {d: ([], [], [], [], []) for d in sizes}  # the same for the pooled micro-batches
+        # per size: time idx/val, mem idx/val, heavy idx/val (a lower bound on the number of
+        # sequences over half a group's memory that the column places)
+        per_d = {d: ([], [], [], [], [], []) for d in sizes}
+        per_r = {d: ([], [], [], [], [], []) for d in sizes}  # the same for the pooled micro-batches
         for members, single in units:
             tokens = float(tab.lens[members].sum())
             longest = int(tab.lens[members].max())
@@ -88,10 +90,10 @@ class _StepLP:
                     t = alone / lo * tokens
                 c1, cr = col(0.0, 1.0), col(0.0, 1.0)  # micro-batch 1, the pooled others
                 for c, per, cnt in ((c1, per_d, self.n), (cr, per_r, self.nr)):
-                    ti, tv, mi, mv, hv = per[d]
+                    ti, tv, mi, mv, hi, hv = per[d]
                     ti.append(c), tv.append(t), mi.append(c), mv.append(tokens)
-                    if single and longest * 2 > tab.cap[d]:
-                        hv.append(c)
+                    if lo * 2 > tab.cap[d]:  # every member needs a group of its own here
+                        hi.append(c), hv.append(1.0 if single else tokens / longest)
                     if single:  # a sequence placed there needs at least one whole group
                         rows.append((-math.inf, 0.0, [c, cnt[d]], [1.0, -1.0]))
                 self.total1[c1] = self.total_r[cr] = alone + tab.fixed[d]
@@ -110,14 +112,14 @@ class _StepLP:
         self.time_rows, self.time_rows_r = {}, {}
         for per, cnt, where in ((per_d, self.n, self.time_rows), (per_r, self.nr, self.time_rows_r)):
             for d in sizes:
-                ti, tv, mi, mv, hv = per[d]
+                ti, tv, mi, mv, hi, hv = per[d]
                 if not ti:
                     continue
                 where[d] = len(rows)
                 rows.append((-math.inf, 0.0, ti + [cnt[d]], tv + [0.0]))
                 rows.append((-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])]))
-                if len(hv) > 1:
-                    rows.append((-math.inf, 0.0, hv + [cnt[d]], [1.0] * len(hv) + [-1.0]))
+                if sum(hv) > 1.0:
+                    rows.append((-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0]))
         rows.append((-math.inf, float(n_gpus), list(self.n.values()), [float(d) for d in self.n]))
         rows.append((-math.inf, float((m - 1) * n_gpus), list(self.nr.values()), [float(d) for d in self.nr]))
         rows.append((-math.inf, -float(n_gpus) * (m - 1) * self.f_min, area_idx, area_val))
@@ -204,8 +206,14 @@ def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> 
     cm = tab.cm
     buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
                            a_lin=cm.coeffs.a_lin_ms_per_token,
-                           cuts=tuple(sorted({int(tab.cap[d]) for d in tab.sizes})))
+                           cuts=_heavy_cuts(tab))
     return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+def _heavy_cuts(tab: Tables) -> tuple[int, ...]:
+    """Bucket boundaries: every size's memory capacity and half of it (a bucket of sequences over
+    half a group's memory then counts at least ``tokens / longest`` sequences needing a group each)."""
+    return tuple(sorted({int(tab.cap[d]) // k for d in tab.sizes for k in (1, 2)}))
 
 
 def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: float = 0.002,

@@ -1,7 +1,10 @@
 """The fast step search: micro-batches from common levels and a balanced split, in polynomial time.
 
-Three families of candidate layouts, each built from the one-micro-batch packing of
+Four families of candidate layouts; the last three are built from the one-micro-batch packing of
 :class:`~megatron_flexsp.planner.level.LevelPacker` (nothing branches per micro-batch):
+
+* **groups first** (:mod:`planner.groups_first`): sequences packed into groups by memory, groups
+  into micro-batches by time; strong when memory sets the micro-batch count.
 
 * **common level** ``T``: micro-batches are stuffed one after another, hardest sequences first, each
   at the level ``max(T, fastest finish of its hardest remaining sequence)``; ``T`` runs over a
@@ -26,6 +29,7 @@ import time
 
 import numpy as np
 
+from megatron_flexsp.planner.groups_first import bin_sizes, groups_first
 from megatron_flexsp.planner.layout import Group, Tables
 from megatron_flexsp.planner.level import LevelPacker
 
@@ -212,6 +216,11 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             out.append((ms, name, layout))
             best = min(best, ms)
 
+    # 0. groups first, for every bin size inside a node (milliseconds each)
+    for bin_size in bin_sizes(tab):
+        if deadline.expired():
+            break
+        keep(groups_first(tab, bin_size), "groups-first")
     # 1. common level: from the level of 1.4x the memory minimum of balanced micro-batches to the
     #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
     lo = f_min + area / (n_gpus * (1.4 * m_min + 2))

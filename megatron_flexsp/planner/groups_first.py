@@ -1,0 +1,93 @@
+"""Groups first: pack sequences into groups by memory, then groups into micro-batches by time.
+
+When memory sets the number of micro-batches, the step time is mostly ``m`` times the fixed cost
+plus the GPU-time, and ``m`` is set by how much memory the groups leave unused. Giving every
+sequence the size with the least GPU-time wastes memory: a sequence over half of its group's memory
+runs alone there. Here sequences (longest first) go by best fit into open groups of ``bin_size``
+GPUs inside one node, where a larger group costs little GPU-time; each group then shrinks to the
+smallest size that holds its tokens. Sequences longer than ``bin_size`` GPUs hold open a group of
+their smallest size (which shorter ones may join while it is inside a node).
+
+Groups are then placed, slowest first, into the first micro-batch with enough free GPUs: a group
+joining a micro-batch of slower groups costs nothing, so micro-batches are only opened when the
+earlier ones are full. O(n log n) for the packing, O(groups x micro-batches) for the placement.
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from megatron_flexsp.planner.layout import Group, Tables
+
+Layout = list[list[Group]]
+
+
+def bin_sizes(tab: Tables) -> list[int]:
+    """The group sizes that lie inside one node, where a larger group costs little GPU-time."""
+    node = tab.cm.cluster.gpus_per_node
+    return [d for d in tab.sizes if d <= node]
+
+
+def groups_first(tab: Tables, bin_size: int) -> Layout:
+    """A layout of ``tab``'s batch built as described in the module docstring.
+
+    ``bin_size``: GPUs of the open groups that sequences of at most that many GPUs' memory share
+    (one of :func:`bin_sizes`). Every sequence must fit some size (checked by :class:`Tables`).
+    """
+    if bin_size not in tab.sizes:
+        raise ValueError(f"bin_size={bin_size} is not an allowed group size {tab.sizes}")
+    node = tab.cm.cluster.gpus_per_node
+    lens = tab.lens
+    contents: list[list[int]] = []
+    room: list[int] = []      # free tokens per open group
+    size: list[int] = []      # GPUs per open group before shrinking
+    open_rooms: list[tuple[int, int]] = []  # (free tokens, group) of groups inside one node
+    for i in np.argsort(-lens, kind="stable").tolist():
+        s = int(lens[i])
+        k = bisect.bisect_left(open_rooms, (s, -1))
+        if k < len(open_rooms):
+            _, g = open_rooms.pop(k)
+            contents[g].append(i)
+            room[g] -= s
+            bisect.insort(open_rooms, (room[g], g))
+            continue
+        d = bin_size if s <= tab.cap[bin_size] else int(tab.min_size[i])
+        g = len(contents)
+        contents.append([i])
+        room.append(int(tab.cap[d]) - s)
+        size.append(d)
+        if d <= node:
+            bisect.insort(open_rooms, (room[g], g))
+    groups = []
+    for g, members in enumerate(contents):
+        tokens = int(tab.cap[size[g]]) - room[g]
+        d = min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens)
+        grp = Group(d)
+        for i in members:
+            tab.add(grp, i)
+        groups.append(grp)
+    return place_by_time(tab, groups)
+
+
+def place_by_time(tab: Tables, groups: list[Group]) -> Layout:
+    """Groups, slowest first, each into the first micro-batch with enough free GPUs."""
+    n_gpus = tab.cm.cluster.num_gpus
+    layout: Layout = []
+    free: list[int] = []
+    open_mbs: list[int] = []  # micro-batches with free GPUs, in creation order
+    for g in sorted(groups, key=lambda g: (-tab.finish(g), g.uid)):
+        for pos, j in enumerate(open_mbs):
+            if free[j] >= g.size:
+                break
+        else:
+            j, pos = len(layout), len(open_mbs)
+            layout.append([])
+            free.append(n_gpus)
+            open_mbs.append(j)
+        layout[j].append(g)
+        free[j] -= g.size
+        if free[j] == 0:
+            open_mbs.pop(pos)
+    return layout

@@ -1,0 +1,133 @@
+"""A lower bound on the step time that knows how sequences pack into groups' memory.
+
+Every plan satisfies, per micro-batch ``j`` of makespan ``T_j`` (every GPU waits at least the
+smallest fixed cost ``f_min``, a group of ``d`` GPUs is busy ``f_d`` plus its work):
+
+    N T_j >= N f_min + sum over its groups g of d_g (f_g - f_min + work_g)
+
+so the step is at least ``m f_min + (sum_g d_g (f_g - f_min + work_g)) / N`` with the groups using
+at most ``m N`` GPUs. The linear program below minimises that over fractional placements of the
+sequences on group sizes, with per size ``d`` a continuous group count ``n_d`` and
+
+* tokens within ``n_d`` groups' memory;
+* for ``k = 1..K``, ``sum of u_k(len / cap_d) <= n_d`` over the sequences placed there, where
+  ``u_k`` is the dual-feasible function of Fekete and Schepers (any set of sequences that fits one
+  group has ``sum u_k <= 1``). ``k = 1`` says a sequence over half a group's memory runs alone; larger
+  ``k`` count how many mid-sized sequences a group can really hold, which fluid memory ignores.
+
+Short sequences enter as length buckets cut at every ``u_k`` breakpoint, priced at their shortest
+member's rate and counted at their least ``u_k`` per token, so the LP stays a relaxation of every
+plan. The count ``m`` is continuous in the LP; the LP value is convex in ``m``, so the integer
+counts on either side of its optimum give the bound.
+"""
+
+from __future__ import annotations
+
+import math
+
+import highspy
+import numpy as np
+
+from megatron_flexsp.planner.bound import SolverTrouble
+from megatron_flexsp.planner.layout import Tables
+from megatron_flexsp.planner.milp import _Model
+
+DFF_ORDERS = 8  # K: dual-feasible functions u_1..u_K per group size
+
+
+def dff(lens: np.ndarray, cap: int, k: int) -> np.ndarray:
+    """Fekete-Schepers ``u_k(len / cap)``: ``len / cap`` where ``(k + 1) len / cap`` is an integer,
+    else ``floor((k + 1) len / cap) / k``; exact integer arithmetic (lengths in tokens)."""
+    num = (k + 1) * np.asarray(lens, dtype=np.int64)
+    return np.where(num % cap == 0, np.asarray(lens, dtype=np.float64) / cap, (num // cap) / k)
+
+
+def _cuts(tab: Tables, orders: int, grid: float) -> tuple[int, ...]:
+    """Bucket upper ends: every ``u_k`` breakpoint of every size, and lengths ``grid`` apart."""
+    cuts = {int(round(x)) for x in np.geomspace(64, max(64, int(tab.lens.max())) * grid,
+                                                num=2 + int(math.log(max(2.0, tab.lens.max() / 64))
+                                                            / math.log(grid)))}
+    for d in tab.sizes:
+        cap = int(tab.cap[d])
+        cuts.add(cap)
+        for k in range(1, orders + 1):
+            cuts.update(cap * j // (k + 1) for j in range(1, k + 1))
+    return tuple(sorted(cuts))
+
+
+def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24) -> float:
+    """Valid lower bound (ms) on the step time of every plan of ``tab``'s batch (see the module
+    docstring). ``orders``: how many dual-feasible functions per size; ``grid``: ratio of the
+    longest to the shortest length a bucket may span (besides the breakpoints); ``max_single``:
+    sequences placed one by one (the slowest)."""
+    if orders < 1:
+        raise ValueError(f"orders={orders} must be >= 1")
+    cm = tab.cm
+    n_gpus, sizes = cm.cluster.num_gpus, tab.sizes
+    f_min = min(tab.fixed.values())
+    lens = tab.lens
+    singles = [int(i) for i in np.argsort(-tab.critical_ms(), kind="stable")[:max_single]]
+    rest = np.setdiff1d(np.arange(len(lens)), singles)
+    cuts = np.array(_cuts(tab, orders, grid), dtype=np.int64)
+    seg = np.searchsorted(cuts, lens[rest], side="left")  # members share (cuts[k-1], cuts[k]]
+    units = [np.array([i]) for i in singles] + [rest[seg == k] for k in np.unique(seg)]
+
+    model = _Model()
+    m_col = model.col(1.0, math.inf, f_min)
+    n = {d: model.col(0.0, math.inf, d * (tab.fixed[d] - f_min) / n_gpus) for d in sizes}
+    per = {(d, k): ([], []) for d in sizes for k in range(orders + 1)}  # k = 0: tokens
+    for members in units:
+        ln = lens[members]
+        tokens, lo = float(ln.sum()), int(ln.min())
+        cols = []
+        for d in sizes:
+            if int(ln.max()) > tab.cap[d]:
+                continue
+            if len(members) == 1:
+                work = float(tab.time[d][members[0]])
+            else:  # at the shortest member's rate: never more than the real work
+                work = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo * tokens
+            c = model.col(0.0, 1.0, d * work / n_gpus)
+            cols.append(c)
+            per[d, 0][0].append(c), per[d, 0][1].append(tokens)
+            for k in range(1, orders + 1):
+                # least u_k per token over the members, times the tokens: at most the real sum
+                coef = float((dff(ln, int(tab.cap[d]), k) / ln).min()) * tokens
+                if coef > 0:
+                    per[d, k][0].append(c), per[d, k][1].append(coef)
+        if not cols:
+            raise ValueError(f"sequence of {int(ln.max())} tokens fits no group "
+                             f"(largest holds {max(tab.cap.values())})")
+        model.row(1.0, 1.0, cols, [1.0] * len(cols))
+    for d in sizes:
+        idx, val = per[d, 0]
+        model.row(-math.inf, 0.0, idx + [n[d]], val + [-float(tab.cap[d])])
+        for k in range(1, orders + 1):
+            idx, val = per[d, k]
+            model.row(-math.inf, 0.0, idx + [n[d]], val + [-1.0])
+    model.row(-math.inf, 0.0, [n[d] for d in sizes] + [m_col], [float(d) for d in sizes] + [-float(n_gpus)])
+    h = model.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
+    m_star = _solve(h)
+    if m_star is None:
+        raise SolverTrouble("slot bound: HiGHS found a feasible LP infeasible")
+    m_real, value = m_star
+    best = math.inf
+    for m in {math.floor(m_real), math.ceil(m_real)}:
+        if m < 1:
+            continue
+        h.changeColBounds(m_col, float(m), float(m))
+        got = _solve(h)
+        if got is not None:
+            best = min(best, got[1])
+    return best if math.isfinite(best) else value
+
+
+def _solve(h: highspy.Highs) -> tuple[float, float] | None:
+    """Run; (m, objective) at an optimum, None when infeasible. Any other status raises."""
+    h.run()
+    status = h.getModelStatus()
+    if status == highspy.HighsModelStatus.kOptimal:
+        return float(h.getSolution().col_value[0]), float(h.getInfo().objective_function_value)
+    if status == highspy.HighsModelStatus.kInfeasible:
+        return None
+    raise SolverTrouble(f"slot bound: HiGHS returned {h.modelStatusToString(status)!r}")

@@ -1,0 +1,111 @@
+"""Memory packing: the groups-first layouts are valid plans, the dual-feasible functions are valid,
+and the slot bound never exceeds the brute-force optimum (tiny instances, 1 to 6 micro-batches)."""
+
+import itertools
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.config import PlannerConfig
+from megatron_flexsp.plan import validate_plan
+from megatron_flexsp.planner import plan_step
+from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, place_by_time
+from megatron_flexsp.planner.layout import Group, Tables, to_step_plan
+from megatron_flexsp.planner.slot_bound import dff, slot_bound
+from megatron_flexsp.sim.corpora import synthetic_lengths
+from megatron_flexsp.sim.workloads import sample_batches
+from tests.unit.helpers import tiny_cost_model
+from tests.unit.test_level_bound import many_micro_batch_instance
+from tests.unit.test_planner import small_instance
+
+
+def test_dual_feasible_functions_never_sum_above_one_in_a_full_group():
+    """Every multiset of lengths that fits ``cap`` has sum u_k <= 1 (exhaustive on a small cap)."""
+    cap = 60
+    for k in range(1, 9):
+        for r in range(1, 6):
+            for combo in itertools.combinations_with_replacement(range(1, cap + 1), r):
+                if sum(combo) <= cap:
+                    assert dff(np.array(combo), cap, k).sum() <= 1 + 1e-12, (k, combo)
+    # and u_1 counts what is over half: two such lengths never share
+    assert dff(np.array([31, 30, 29]), cap, 1).tolist() == [1.0, 0.5, 0.0]
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_slot_bound_is_below_the_optimum(seed):
+    for cm, lens, opt in (small_instance(seed), many_micro_batch_instance(seed % 6)):
+        tab = Tables(np.asarray(lens), cm)
+        assert slot_bound(tab) <= opt * (1 + 1e-6), (lens, opt)
+        assert slot_bound(tab, orders=1, max_single=0) <= opt * (1 + 1e-6)
+
+
+def test_slot_bound_sees_memory_that_fluid_tokens_miss():
+    """Three sequences of 210 tokens on 4 GPUs of 100: fluid memory fits them in two micro-batches
+    (630 <= 800 tokens), but each needs all 4 GPUs alone (two do not fit 400), so three are needed;
+    the slot bound charges the third micro-batch's fixed cost."""
+    cm = tiny_cost_model()
+    tab = Tables(np.array([210, 210, 210]), cm)
+    f = min(tab.fixed.values())
+    area = tab.area_min_ms() / cm.cluster.num_gpus
+    assert slot_bound(tab, orders=1) >= 3 * f + area - 1e-9
+    from tests.unit.test_planner import brute_force_step_ms
+
+    assert slot_bound(tab) <= brute_force_step_ms((210, 210, 210), cm) * (1 + 1e-9)
+
+
+@pytest.mark.parametrize("corpus,batch", [("lognormal-16k", 256), ("github", 512), ("bimodal", 128)])
+def test_groups_first_layouts_are_valid_plans(corpus, batch):
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+
+    cm = CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=64,
+                                max_seq_len=196608)
+    b = sample_batches(synthetic_lengths(corpus, seed=1), global_batch=batch, num_batches=1, seed=0,
+                       max_seq_len=196608)[0][0]
+    tab = Tables(np.minimum(b, cm.max_tokens), cm)
+    assert bin_sizes(tab) == [1, 2, 4, 8]
+    for bin_size in bin_sizes(tab):
+        layout = groups_first(tab, bin_size)
+        assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(b)))
+        for mb in layout:
+            assert sum(g.size for g in mb) <= 64
+            for g in mb:
+                assert g.tokens <= tab.cap[g.size]
+                # shrunk: the next smaller size would not hold the group's tokens
+                smaller = [d for d in tab.sizes if d < g.size]
+                assert not smaller or g.tokens > tab.cap[max(smaller)]
+        validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="groups-first"))
+    with pytest.raises(ValueError, match="bin_size=3"):
+        groups_first(tab, 3)
+
+
+def test_place_by_time_opens_a_micro_batch_only_when_the_others_are_full():
+    cm = tiny_cost_model()
+    tab = Tables(np.array([90, 80, 70, 60, 50, 40]), cm)
+    groups = []
+    for i in range(6):
+        g = Group(1)
+        tab.add(g, i)
+        groups.append(g)
+    layout = place_by_time(tab, groups)
+    assert [[g.seqs[0] for g in mb] for mb in layout] == [[0, 1, 2, 3], [4, 5]]
+
+
+def test_flexsp_uses_groups_first_where_memory_binds():
+    """On a memory-bound batch (lognormal mean 16K, 64 GPUs) the planner's plan is at least as fast
+    as the groups-first layouts and well below the DCP baseline."""
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+
+    cm = CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=64,
+                                max_seq_len=196608)
+    b = sample_batches(synthetic_lengths("lognormal-16k", seed=1), global_batch=512, num_batches=1,
+                       seed=0, max_seq_len=196608)[0][0]
+    plan = plan_step(b, cm, config=PlannerConfig(over_length="truncate"), max_seq_len=196608)
+    validate_plan(plan)
+    tab = Tables(np.minimum(b, cm.max_tokens), cm)
+    best_gf = min(tab.step_ms(groups_first(tab, d)) for d in bin_sizes(tab))
+    assert plan.predicted_step_ms <= best_gf * (1 + 1e-9)
+    dcp = plan_step(b, cm, strategy="megatron-dcp", max_seq_len=196608)
+    assert plan.predicted_step_ms < 0.97 * dcp.predicted_step_ms
+    assert plan.info["slot_bound_ms"] <= plan.predicted_step_ms
