@@ -28,7 +28,7 @@ from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
 from megatron_flexsp.planner.exact import milp_phase
-from megatron_flexsp.planner.layout import Tables, improve_layout, to_step_plan
+from megatron_flexsp.planner.layout import Tables, drain_micro_batches, improve_layout, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
 from megatron_flexsp.planner.slot_bound import slot_bound
@@ -188,6 +188,15 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
+    # the best layout of each family (at most four): empty short micro-batches into the others'
+    # free memory; then the local search on the two best
+    drained = set()
+    for k, (ms, name, layout) in enumerate(found):
+        if name not in drained and len(drained) < 4:
+            drained.add(name)
+            info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=local, tries=8)
+            found[k] = (tab.step_ms(layout), name, layout)
+    found.sort(key=lambda c: c[0])
     for ms, name, layout in found[:2]:
         improve_layout(layout, tab, deadline=local)
         candidates.append((tab.step_ms(layout), name, layout))

@@ -30,11 +30,13 @@ def bin_sizes(tab: Tables) -> list[int]:
     return [d for d in tab.sizes if d <= node]
 
 
-def groups_first(tab: Tables, bin_size: int) -> Layout:
+def groups_first(tab: Tables, bin_size: int, level: float = float("inf")) -> Layout:
     """A layout of ``tab``'s batch built as described in the module docstring.
 
     ``bin_size``: GPUs of the open groups that sequences of at most that many GPUs' memory share
-    (one of :func:`bin_sizes`). Every sequence must fit some size (checked by :class:`Tables`).
+    (one of :func:`bin_sizes`). ``level`` (ms): a sequence that would not finish within it alone
+    at its size takes the larger size with the least GPU-time that does (the largest when none
+    does). Every sequence must fit some size (checked by :class:`Tables`).
     """
     if bin_size not in tab.sizes:
         raise ValueError(f"bin_size={bin_size} is not an allowed group size {tab.sizes}")
@@ -54,6 +56,9 @@ def groups_first(tab: Tables, bin_size: int) -> Layout:
             bisect.insort(open_rooms, (room[g], g))
             continue
         d = bin_size if s <= tab.cap[bin_size] else int(tab.min_size[i])
+        if tab.fixed[d] + float(tab.time[d][i]) > level:  # too slow there: the cheapest size within
+            fast = [x for x in tab.sizes if x > d and tab.fixed[x] + float(tab.time[x][i]) <= level]
+            d = min(fast, key=lambda x: x * float(tab.time[x][i])) if fast else max(tab.sizes)
         g = len(contents)
         contents.append([i])
         room.append(int(tab.cap[d]) - s)

@@ -226,6 +226,76 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
     layout[:] = [mb for mb in layout if mb]
 
 
+def drain_micro_batches(layout: list[list[Group]], tab: Tables, deadline=None, tries: int = 3) -> int:
+    """Empty micro-batches into the others' free memory while that shortens the step.
+
+    The ``tries`` micro-batches with the shortest makespans are tried in turn: their sequences,
+    longest first, each go to the fitting group of another micro-batch that raises that
+    micro-batch's makespan least; the moves are kept when the raises sum to less than the emptied
+    micro-batch's makespan, else undone. Returns how many micro-batches were removed.
+    """
+    removed = 0
+    for _ in range(tries):
+        if len(layout) < 2 or (deadline is not None and deadline.expired()):
+            break
+        spans = [tab.mb_ms(mb) for mb in layout]
+        free = [sum(int(tab.cap[g.size]) - g.tokens for g in mb) for mb in layout]
+        total_free = sum(free)
+        for v in sorted(range(len(layout)), key=lambda j: (spans[j], j))[:3]:
+            if total_free - free[v] < sum(g.tokens for g in layout[v]):
+                continue  # the others' free memory cannot hold it
+            if _drain(layout, tab, v, spans, free, deadline):
+                removed += 1
+                break
+        else:
+            break
+    return removed
+
+
+def _drain(layout: list[list[Group]], tab: Tables, v: int, spans: list[float], free: list[int],
+           deadline) -> bool:
+    index = GroupIndex(tab)
+    for j, mb in enumerate(layout):
+        if j != v:
+            for g in mb:
+                index.add(j, g)
+    keys = sorted(index.classes())
+    level, free = list(spans), list(free)
+    moves, raised = [], 0.0
+    items = sorted(((i, g) for g in layout[v] for i in g.seqs), key=lambda x: (-int(tab.lens[x[0]]), x[0]))
+    for i, src in items:
+        if deadline is not None and deadline.expired():
+            break
+        best, best_key = None, None
+        for key in keys:
+            if free[key[0]] < tab.lens[i]:
+                continue  # no group of that micro-batch has room
+            g = index.best_fit(key, i)
+            if g is None:
+                continue
+            t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
+            k = (max(0.0, t - level[key[0]]), t, g.uid)
+            if best_key is None or k < best_key:
+                best, best_key = (key[0], g), k
+        if best is None or raised + best_key[0] >= spans[v]:
+            break
+        j, g = best
+        tab.add(g, i)
+        index.touch(g)
+        free[j] -= int(tab.lens[i])
+        raised += best_key[0]
+        level[j] = max(level[j], tab.finish(g))
+        moves.append((i, src, g))
+    if len(moves) == len(items) and raised < spans[v]:
+        for i, src, _ in moves:
+            tab.remove(src, i)
+        del layout[v]
+        return True
+    for i, _, g in reversed(moves):
+        tab.remove(g, i)
+    return False
+
+
 def to_step_plan(layout: list[list[Group]], tab: Tables, *, strategy: str, method: str,
                  lower_bound_ms: float = 0.0, solve_time_s: float = 0.0, info: dict | None = None,
                  **extra) -> StepPlan:

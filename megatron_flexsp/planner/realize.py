@@ -82,7 +82,7 @@ def realize(res: MilpResult, tab: Tables, buckets: Buckets, *, use_quota: bool =
         for g in mb:
             index.add(j, g)
     for n_placed, i in enumerate(sorted(bucket_of, key=lambda i: (-int(tab.lens[i]), i))):
-        if deadline is not None and n_placed % 128 == 127 and deadline.expired():
+        if deadline is not None and n_placed % 8 == 7 and deadline.expired():
             return None  # unfinished: the caller keeps its other candidates
         k, s = bucket_of[i], int(tab.lens[i])
         best = None

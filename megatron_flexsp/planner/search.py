@@ -30,7 +30,7 @@ import time
 import numpy as np
 
 from megatron_flexsp.planner.groups_first import bin_sizes, groups_first
-from megatron_flexsp.planner.layout import Group, Tables
+from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 
 Layout = list[list[Group]]
@@ -216,11 +216,21 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             out.append((ms, name, layout))
             best = min(best, ms)
 
-    # 0. groups first, for every bin size inside a node (milliseconds each)
-    for bin_size in bin_sizes(tab):
-        if deadline.expired():
-            break
-        keep(groups_first(tab, bin_size), "groups-first")
+    # 0. groups first (milliseconds each): open groups of one or two GPUs, sequences at their
+    #    smallest size or, under a level from a short grid above the hardest sequence's fastest
+    #    finish, the cheapest size that finishes them within it
+    #    the best of them then empties its shortest micro-batches into the others' free memory
+    packed = []
+    for level in [math.inf] + level_grid(crit, 3 * crit, 4):
+        for bin_size in bin_sizes(tab)[:2]:
+            if deadline.expired():
+                break
+            layout = groups_first(tab, bin_size, level)
+            packed.append((tab.step_ms(layout), len(packed), layout))
+    if packed:
+        layout = min(packed)[2]
+        drain_micro_batches(layout, tab, deadline=deadline, tries=8)
+        keep(layout, "groups-first")
     # 1. common level: from the level of 1.4x the memory minimum of balanced micro-batches to the
     #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
     lo = f_min + area / (n_gpus * (1.4 * m_min + 2))

@@ -66,37 +66,46 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
     n_gpus, sizes = cm.cluster.num_gpus, tab.sizes
     f_min = min(tab.fixed.values())
     lens = tab.lens
-    singles = [int(i) for i in np.argsort(-tab.critical_ms(), kind="stable")[:max_single]]
+    singles = np.argsort(-tab.critical_ms(), kind="stable")[:max_single]
     rest = np.setdiff1d(np.arange(len(lens)), singles)
     cuts = np.array(_cuts(tab, orders, grid), dtype=np.int64)
+    rest = rest[np.argsort(lens[rest], kind="stable")]
     seg = np.searchsorted(cuts, lens[rest], side="left")  # members share (cuts[k-1], cuts[k]]
-    units = [np.array([i]) for i in singles] + [rest[seg == k] for k in np.unique(seg)]
+    # units: the singles, then the buckets as runs of ``order`` starting at ``starts``
+    order = np.concatenate([singles, rest])
+    runs = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]) if len(rest) else np.zeros(0, np.int64)
+    starts = np.concatenate([np.arange(len(singles)), len(singles) + runs]).astype(np.int64)
+    ln = lens[order].astype(np.float64)
+    tokens = np.add.reduceat(ln, starts)
+    lo = np.minimum.reduceat(ln, starts)
+    hi = np.maximum.reduceat(ln, starts)
+    count = np.diff(np.r_[starts, len(order)])
+    # per size: the work of each unit (a bucket at its shortest member's rate: never more than the
+    # real work) and, per order k, its least u_k per token times its tokens (at most the real sum)
+    work, coef = {}, {}
+    for d in sizes:
+        rate = cm.seq_time_ms(lo.astype(np.int64), d) / lo
+        work[d] = np.where(count == 1, tab.time[d][order[starts]], rate * tokens)
+        for k in range(1, orders + 1):
+            coef[d, k] = np.minimum.reduceat(dff(lens[order], int(tab.cap[d]), k) / ln, starts) * tokens
 
     model = _Model()
     m_col = model.col(1.0, math.inf, f_min)
     n = {d: model.col(0.0, math.inf, d * (tab.fixed[d] - f_min) / n_gpus) for d in sizes}
     per = {(d, k): ([], []) for d in sizes for k in range(orders + 1)}  # k = 0: tokens
-    for members in units:
-        ln = lens[members]
-        tokens, lo = float(ln.sum()), int(ln.min())
+    for u in range(len(starts)):
         cols = []
         for d in sizes:
-            if int(ln.max()) > tab.cap[d]:
+            if hi[u] > tab.cap[d]:
                 continue
-            if len(members) == 1:
-                work = float(tab.time[d][members[0]])
-            else:  # at the shortest member's rate: never more than the real work
-                work = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo * tokens
-            c = model.col(0.0, 1.0, d * work / n_gpus)
+            c = model.col(0.0, 1.0, d * float(work[d][u]) / n_gpus)
             cols.append(c)
-            per[d, 0][0].append(c), per[d, 0][1].append(tokens)
+            per[d, 0][0].append(c), per[d, 0][1].append(float(tokens[u]))
             for k in range(1, orders + 1):
-                # least u_k per token over the members, times the tokens: at most the real sum
-                coef = float((dff(ln, int(tab.cap[d]), k) / ln).min()) * tokens
-                if coef > 0:
-                    per[d, k][0].append(c), per[d, k][1].append(coef)
+                if coef[d, k][u] > 0:
+                    per[d, k][0].append(c), per[d, k][1].append(float(coef[d, k][u]))
         if not cols:
-            raise ValueError(f"sequence of {int(ln.max())} tokens fits no group "
+            raise ValueError(f"sequence of {int(hi[u])} tokens fits no group "
                              f"(largest holds {max(tab.cap.values())})")
         model.row(1.0, 1.0, cols, [1.0] * len(cols))
     for d in sizes:

@@ -109,3 +109,49 @@ def test_flexsp_uses_groups_first_where_memory_binds():
     dcp = plan_step(b, cm, strategy="megatron-dcp", max_seq_len=196608)
     assert plan.predicted_step_ms < 0.97 * dcp.predicted_step_ms
     assert plan.info["slot_bound_ms"] <= plan.predicted_step_ms
+
+
+def _single_groups(tab, items_per_mb):
+    layout = []
+    for mb in items_per_mb:
+        groups = []
+        for items in mb:
+            g = Group(1)
+            for i in items:
+                tab.add(g, i)
+            groups.append(g)
+        layout.append(groups)
+    return layout
+
+
+def test_drain_empties_a_short_micro_batch_into_free_memory():
+    from megatron_flexsp.planner.layout import drain_micro_batches
+
+    cm = tiny_cost_model()
+    tab = Tables(np.array([50, 50, 50, 50, 30]), cm)
+    layout = _single_groups(tab, [[[0], [1], [2], [3]], [[4]]])
+    before = tab.step_ms(layout)
+    assert drain_micro_batches(layout, tab) == 1
+    assert len(layout) == 1 and tab.step_ms(layout) < before
+    assert sorted(i for g in layout[0] for i in g.seqs) == [0, 1, 2, 3, 4]
+    assert all(g.tokens <= tab.cap[g.size] for g in layout[0])
+    # with no free memory nothing moves, and the layout is left exactly as it was
+    tab = Tables(np.array([100, 100, 100, 100, 30]), cm)
+    layout = _single_groups(tab, [[[0], [1], [2], [3]], [[4]]])
+    assert drain_micro_batches(layout, tab) == 0
+    assert [[g.seqs for g in mb] for mb in layout] == [[[0], [1], [2], [3]], [[4]]]
+    assert [[g.tokens for g in mb] for mb in layout] == [[100] * 4, [30]]
+
+
+def test_drain_keeps_a_micro_batch_whose_moves_would_cost_more_than_it():
+    """Five 40-token sequences: moving the fifth onto a loaded GPU of the first micro-batch raises
+    it by more than the second micro-batch costs only if the fixed cost is small; with no fixed
+    cost, draining gains nothing and must not happen."""
+    from megatron_flexsp.planner.layout import drain_micro_batches
+
+    cm = tiny_cost_model(overhead_ms=0.0)
+    tab = Tables(np.array([40, 40, 40, 40, 40]), cm)
+    layout = _single_groups(tab, [[[0], [1], [2], [3]], [[4]]])
+    before = tab.step_ms(layout)
+    assert drain_micro_batches(layout, tab) == 0
+    assert len(layout) == 2 and tab.step_ms(layout) == before
