@@ -30,14 +30,18 @@ def bin_sizes(tab: Tables) -> list[int]:
     return [d for d in tab.sizes if d <= node]
 
 
-def groups_first(tab: Tables, bin_size: int, level: float = float("inf")) -> Layout:
+def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: float = 1.0) -> Layout:
     """A layout of ``tab``'s batch built as described in the module docstring.
 
     ``bin_size``: GPUs of the open groups that sequences of at most that many GPUs' memory share
     (one of :func:`bin_sizes`). ``level`` (ms): a sequence that would not finish within it alone
     at its size takes the larger size with the least GPU-time that does (the largest when none
-    does). Every sequence must fit some size (checked by :class:`Tables`).
+    does). ``fill`` (0-1]: share of a group's memory that later sequences may fill (below 1, the
+    tokens spread over more groups: the micro-batches' work evens out when memory sets their
+    number). Every sequence must fit some size (checked by :class:`Tables`).
     """
+    if not 0.0 < fill <= 1.0:
+        raise ValueError(f"fill={fill} must be in (0, 1]")
     if bin_size not in tab.sizes:
         raise ValueError(f"bin_size={bin_size} is not an allowed group size {tab.sizes}")
     node = tab.cm.cluster.gpus_per_node
@@ -61,13 +65,13 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf")) -> Lay
             d = min(fast, key=lambda x: x * float(tab.time[x][i])) if fast else max(tab.sizes)
         g = len(contents)
         contents.append([i])
-        room.append(int(tab.cap[d]) - s)
+        room.append(max(int(fill * tab.cap[d]) - s, 0))
         size.append(d)
         if d <= node:
             bisect.insort(open_rooms, (room[g], g))
     groups = []
     for g, members in enumerate(contents):
-        tokens = int(tab.cap[size[g]]) - room[g]
+        tokens = int(lens[members].sum())
         d = min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens)
         grp = Group(d)
         for i in members:

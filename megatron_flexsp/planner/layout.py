@@ -60,12 +60,14 @@ class GroupIndex:
     def classes(self):
         return self.heaps.keys()
 
-    def best_fit(self, key: tuple[int, int], i: int, exclude: Group | None = None) -> Group | None:
+    def best_fit(self, key: tuple[int, int], i: int, exclude: Group | None = None,
+                 max_probes: int | None = None) -> Group | None:
+        """``max_probes``: give up (None) after that many live groups without room."""
         heap = self.heaps.get(key)
         if not heap:
             return None
         popped, found = [], None
-        while heap:
+        while heap and (max_probes is None or len(popped) < max_probes):
             item = heapq.heappop(heap)
             _, uid, v, g = item
             if self.version.get(uid) != v:
@@ -270,7 +272,7 @@ def _drain(layout: list[list[Group]], tab: Tables, v: int, spans: list[float], f
         for key in keys:
             if free[key[0]] < tab.lens[i]:
                 continue  # no group of that micro-batch has room
-            g = index.best_fit(key, i)
+            g = index.best_fit(key, i, max_probes=16)
             if g is None:
                 continue
             t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])

@@ -218,19 +218,27 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
 
     # 0. groups first (milliseconds each): open groups of one or two GPUs, sequences at their
     #    smallest size or, under a level from a short grid above the hardest sequence's fastest
-    #    finish, the cheapest size that finishes them within it
-    #    the best of them then empties its shortest micro-batches into the others' free memory
+    #    finish, the cheapest size that finishes them within it. The best of these, and one with
+    #    memory spread evenly over as many micro-batches as the plain packing needed, then empty
+    #    their shortest micro-batches into the others' free memory
+    #    (a third of the search's time at most, so the other families always get the rest)
+    own = Deadline(0.0)
+    own.start, own.end = deadline.start, min(deadline.end, time.perf_counter() + deadline.left() / 3)
     packed = []
     for level in [math.inf] + level_grid(crit, 3 * crit, 4):
         for bin_size in bin_sizes(tab)[:2]:
-            if deadline.expired():
+            if own.expired():
                 break
             layout = groups_first(tab, bin_size, level)
             packed.append((tab.step_ms(layout), len(packed), layout))
     if packed:
-        layout = min(packed)[2]
-        drain_micro_batches(layout, tab, deadline=deadline, tries=8)
-        keep(layout, "groups-first")
+        chosen = [min(packed)[2]]
+        fill = int(tab.lens.sum()) / (len(packed[0][2]) * n_gpus * tab.cm.capacity_tokens)
+        if fill < 0.98 and not own.expired():
+            chosen.append(groups_first(tab, bin_sizes(tab)[0], fill=fill))
+        for layout in chosen:
+            drain_micro_batches(layout, tab, deadline=own, tries=8)
+            keep(layout, "groups-first")
     # 1. common level: from the level of 1.4x the memory minimum of balanced micro-batches to the
     #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
     lo = f_min + area / (n_gpus * (1.4 * m_min + 2))
