@@ -30,9 +30,10 @@ Layout = list[list[Group]]
 
 
 def bin_sizes(tab: Tables) -> list[int]:
-    """The group sizes that lie inside one node, where a larger group costs little GPU-time."""
+    """The group sizes that lie inside one node, where a larger group costs little GPU-time (the
+    smallest size when none does)."""
     node = tab.cm.cluster.gpus_per_node
-    return [d for d in tab.sizes if d <= node]
+    return [d for d in tab.sizes if d <= node] or [min(tab.sizes)]
 
 
 def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: float = 1.0) -> Layout:
