@@ -189,11 +189,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
     # the best layout of each family (at most four): empty short micro-batches into the others'
-    # free memory; then the local search on the two best
+    # free memory (groups first was drained in the search); then the local search on the two best
     drained = set()
     for k, (ms, name, layout) in enumerate(found):
         if name not in drained and len(drained) < 4:
             drained.add(name)
+            if name == "groups-first":
+                continue
             info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=local, tries=8)
             found[k] = (tab.step_ms(layout), name, layout)
     found.sort(key=lambda c: c[0])
@@ -240,9 +242,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
 
 def _phase(deadline: Deadline, cfg: PlannerConfig, fraction: float) -> Deadline:
     """A deadline at ``fraction`` of the planning budget (never after ``deadline``)."""
-    sub = Deadline(0.0)
-    sub.start, sub.end = deadline.start, min(deadline.end, deadline.start + fraction * cfg.time_budget_s)
-    return sub
+    return deadline.capped(deadline.start + fraction * cfg.time_budget_s)
 
 
 def _remap(plan: StepPlan, kept: np.ndarray, fix: LengthFix, original: np.ndarray) -> StepPlan:

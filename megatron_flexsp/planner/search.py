@@ -53,6 +53,13 @@ class Deadline:
     def elapsed(self) -> float:
         return time.perf_counter() - self.start
 
+    def capped(self, end: float) -> "Deadline":
+        """The same clock ending at ``end`` (a ``time.perf_counter()`` value) or at this deadline,
+        whichever comes first."""
+        sub = Deadline(0.0)
+        sub.start, sub.end = self.start, min(self.end, end)
+        return sub
+
 
 def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: int) -> Layout | None:
     """Micro-batches stuffed one after another at ``max(level, hardest remaining fastest finish)``;
@@ -222,8 +229,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    memory spread evenly over as many micro-batches as the plain packing needed, then empty
     #    their shortest micro-batches into the others' free memory
     #    (a third of the search's time at most, so the other families always get the rest)
-    own = Deadline(0.0)
-    own.start, own.end = deadline.start, min(deadline.end, time.perf_counter() + deadline.left() / 3)
+    own = deadline.capped(time.perf_counter() + deadline.left() / 3)
     packed = []
     for level in [math.inf] + level_grid(crit, 3 * crit, 4):
         for bin_size in bin_sizes(tab)[:2]:

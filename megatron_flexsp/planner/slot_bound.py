@@ -75,7 +75,8 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
     order = np.concatenate([singles, rest])
     runs = np.flatnonzero(np.r_[True, seg[1:] != seg[:-1]]) if len(rest) else np.zeros(0, np.int64)
     starts = np.concatenate([np.arange(len(singles)), len(singles) + runs]).astype(np.int64)
-    ln = lens[order].astype(np.float64)
+    lens_o = lens[order]
+    ln = lens_o.astype(np.float64)
     tokens = np.add.reduceat(ln, starts)
     lo = np.minimum.reduceat(ln, starts)
     hi = np.maximum.reduceat(ln, starts)
@@ -87,7 +88,7 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
         rate = cm.seq_time_ms(lo.astype(np.int64), d) / lo
         work[d] = np.where(count == 1, tab.time[d][order[starts]], rate * tokens)
         for k in range(1, orders + 1):
-            coef[d, k] = np.minimum.reduceat(dff(lens[order], int(tab.cap[d]), k) / ln, starts) * tokens
+            coef[d, k] = np.minimum.reduceat(dff(lens_o, int(tab.cap[d]), k) / ln, starts) * tokens
 
     model = _Model()
     m_col = model.col(1.0, math.inf, f_min)
@@ -116,27 +117,25 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
             model.row(-math.inf, 0.0, idx + [n[d]], val + [-1.0])
     model.row(-math.inf, 0.0, [n[d] for d in sizes] + [m_col], [float(d) for d in sizes] + [-float(n_gpus)])
     h = model.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
-    m_star = _solve(h)
+    m_star = _solve(h, m_col)
     if m_star is None:
         raise SolverTrouble("slot bound: HiGHS found a feasible LP infeasible")
     m_real, value = m_star
     best = math.inf
-    for m in {math.floor(m_real), math.ceil(m_real)}:
-        if m < 1:
-            continue
+    for m in {math.floor(m_real), math.ceil(m_real)}:  # m_real >= 1: its column's lower bound
         h.changeColBounds(m_col, float(m), float(m))
-        got = _solve(h)
+        got = _solve(h, m_col)
         if got is not None:
             best = min(best, got[1])
     return best if math.isfinite(best) else value
 
 
-def _solve(h: highspy.Highs) -> tuple[float, float] | None:
+def _solve(h: highspy.Highs, m_col: int) -> tuple[float, float] | None:
     """Run; (m, objective) at an optimum, None when infeasible. Any other status raises."""
     h.run()
     status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kOptimal:
-        return float(h.getSolution().col_value[0]), float(h.getInfo().objective_function_value)
+        return float(h.getSolution().col_value[m_col]), float(h.getInfo().objective_function_value)
     if status == highspy.HighsModelStatus.kInfeasible:
         return None
     raise SolverTrouble(f"slot bound: HiGHS returned {h.modelStatusToString(status)!r}")
