@@ -31,7 +31,8 @@ from megatron_flexsp.planner.exact import milp_phase
 from megatron_flexsp.planner.layout import Tables, drain_micro_batches, improve_layout, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
-from megatron_flexsp.planner.slot_bound import slot_bound
+from megatron_flexsp.planner.groups_first import pack_at_sizes
+from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -175,10 +176,17 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if dcp is not None:
         candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     info["homogeneous_time_s"] = deadline.elapsed()
+    slot = _slot_lp(tab, info)
+    rounded = []
+    if slot is not None:  # the slot LP's placement, rounded to sizes and packed (then drained)
+        layout = pack_at_sizes(tab, slot.sizes)
+        info["drained"] = {"lp-rounded": drain_micro_batches(layout, tab, deadline=_phase(deadline, cfg, 0.2),
+                                                            tries=8)}
+        rounded.append((tab.step_ms(layout), "lp-rounded", layout))
     packer = LevelPacker(tab)
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
-                        deadline=_phase(deadline, cfg, 0.45))
+                        deadline=_phase(deadline, cfg, 0.45)) + rounded
     found.sort(key=lambda c: c[0])
     families: dict[str, float] = {}
     for ms, name, _ in found:
@@ -189,12 +197,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
     # the best layout of each family (at most four): empty short micro-batches into the others'
-    # free memory (groups first was drained in the search); then the local search on the two best
+    # free memory (groups first and the rounded LP were drained already); then the local search
+    # on the two best
     drained = set()
     for k, (ms, name, layout) in enumerate(found):
         if name not in drained and len(drained) < 4:
             drained.add(name)
-            if name == "groups-first":
+            if name in ("groups-first", "lp-rounded"):
                 continue
             info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=local, tries=8)
             found[k] = (tab.step_ms(layout), name, layout)
@@ -213,15 +222,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     bounds = simple_bounds(tab)
     bound = bounds.base
     best_ms = min(c[0] for c in candidates)
-    if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
-        t0 = time.perf_counter()
-        try:
-            slots = slot_bound(tab)
-        except SolverTrouble as exc:
-            log.warning("%s; the slot bound is left out", exc)
-            slots = 0.0
-        info.update(slot_bound_ms=slots, slot_time_s=time.perf_counter() - t0)
-        bound = max(bound, min(slots, best_ms))
+    if cfg.bound_lp_solves > 0 and slot is not None:
+        bound = max(bound, min(slot.bound_ms, best_ms))
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
@@ -238,6 +240,18 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["time_budget_s"] = cfg.time_budget_s
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
+
+
+def _slot_lp(tab: Tables, info: dict) -> SlotLP | None:
+    """The slot bound's LP (:mod:`slot_bound`, tens of milliseconds), None when HiGHS fails it."""
+    t0 = time.perf_counter()
+    try:
+        slot = solve_slot_lp(tab)
+    except SolverTrouble as exc:
+        log.warning("%s; the slot bound and its rounded plan are left out", exc)
+        return None
+    info.update(slot_bound_ms=slot.bound_ms, slot_m=slot.m, slot_time_s=time.perf_counter() - t0)
+    return slot
 
 
 def _phase(deadline: Deadline, cfg: PlannerConfig, fraction: float) -> Deadline:

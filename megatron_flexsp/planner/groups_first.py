@@ -13,6 +13,10 @@ size that finishes it within the level (long sequences then need not set a slow 
 ``fill`` below 1, later sequences fill only that share of a group's memory, which spreads the
 tokens, and so the work, evenly over the micro-batches memory needs.
 
+:func:`pack_at_sizes` packs the same way with a size given per sequence (the slot bound's LP
+placement, rounded): sequences by best fit into open groups of their size, so short sequences the
+LP put on large sizes fill the memory that long ones leave there.
+
 Groups are then placed, slowest first, into the first micro-batch with enough free GPUs: a group
 joining a micro-batch of slower groups costs nothing, so micro-batches are only opened when the
 earlier ones are full. O(n log n) for the packing, O(groups x micro-batches) for the placement.
@@ -75,15 +79,47 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
         size.append(d)
         if d <= node:
             bisect.insort(open_rooms, (room[g], g))
+    return place_by_time(tab, _shrunk(tab, contents, size))
+
+
+def pack_at_sizes(tab: Tables, sizes: np.ndarray) -> Layout:
+    """A layout with each sequence ``i`` in a group of ``sizes[i]`` GPUs (raised to its smallest
+    size): longest first, by best fit into an open group of that size with memory room, else a new
+    one; each group then shrinks to the smallest size holding its tokens; groups placed by
+    :func:`place_by_time`."""
+    sizes = np.maximum(np.asarray(sizes, dtype=np.int64), tab.min_size)
+    if sizes.shape != tab.lens.shape or not set(sizes.tolist()) <= set(tab.sizes):
+        raise ValueError(f"sizes must give one allowed group size {tab.sizes} per sequence "
+                         f"({len(tab.lens)}); got {len(sizes)} with {sorted(set(sizes.tolist()))}")
+    lens = tab.lens
+    open_rooms: dict[int, list[tuple[int, int]]] = {d: [] for d in tab.sizes}
+    contents: list[list[int]] = []
+    room: list[int] = []
+    for i in np.argsort(-lens, kind="stable").tolist():
+        s, rooms = int(lens[i]), open_rooms[int(sizes[i])]
+        k = bisect.bisect_left(rooms, (s, -1))
+        if k < len(rooms):
+            _, g = rooms.pop(k)
+            contents[g].append(i)
+        else:
+            g = len(contents)
+            contents.append([i])
+            room.append(int(tab.cap[int(sizes[i])]))
+        room[g] -= s
+        bisect.insort(rooms, (room[g], g))
+    return place_by_time(tab, _shrunk(tab, contents, [int(sizes[c[0]]) for c in contents]))
+
+
+def _shrunk(tab: Tables, contents: list[list[int]], size: list[int]) -> list[Group]:
+    """Groups of the given members, each at the smallest size up to ``size`` holding its tokens."""
     groups = []
     for g, members in enumerate(contents):
-        tokens = int(lens[members].sum())
-        d = min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens)
-        grp = Group(d)
+        tokens = int(tab.lens[members].sum())
+        grp = Group(min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens))
         for i in members:
             tab.add(grp, i)
         groups.append(grp)
-    return place_by_time(tab, groups)
+    return groups
 
 
 def place_by_time(tab: Tables, groups: list[Group]) -> Layout:

@@ -19,11 +19,16 @@ Short sequences enter as length buckets cut at every ``u_k`` breakpoint, priced 
 member's rate and counted at their least ``u_k`` per token, so the LP stays a relaxation of every
 plan. The count ``m`` is continuous in the LP; the LP value is convex in ``m``, so the integer
 counts on either side of its optimum give the bound.
+
+The LP's placement is also a plan in outline: :func:`solve_slot_lp` rounds it to one group size per
+sequence (a bucket's members, shortest first, over its sizes in proportion to the tokens the LP
+put on each), which :func:`~megatron_flexsp.planner.groups_first.pack_at_sizes` turns into a layout.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -55,11 +60,26 @@ def _cuts(tab: Tables, orders: int, grid: float) -> tuple[int, ...]:
     return tuple(sorted(cuts))
 
 
+@dataclass(frozen=True)
+class SlotLP:
+    """``bound_ms``: valid lower bound on the step time; ``m``: the micro-batch count where the
+    LP is least; ``sizes``: a group size per sequence, rounded from the LP's placement at ``m``."""
+
+    bound_ms: float
+    m: int
+    sizes: np.ndarray
+
+
 def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24) -> float:
     """Valid lower bound (ms) on the step time of every plan of ``tab``'s batch (see the module
     docstring). ``orders``: how many dual-feasible functions per size; ``grid``: ratio of the
     longest to the shortest length a bucket may span (besides the breakpoints); ``max_single``:
     sequences placed one by one (the slowest)."""
+    return solve_slot_lp(tab, orders=orders, grid=grid, max_single=max_single).bound_ms
+
+
+def solve_slot_lp(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24) -> SlotLP:
+    """The LP of :func:`slot_bound`: its bound and its placement rounded to sizes (:class:`SlotLP`)."""
     if orders < 1:
         raise ValueError(f"orders={orders} must be >= 1")
     cm = tab.cm
@@ -91,6 +111,7 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
             coef[d, k] = np.minimum.reduceat(dff(lens_o, int(tab.cap[d]), k) / ln, starts) * tokens
 
     model = _Model()
+    placed: list[tuple[int, int, int]] = []  # (unit, size, column)
     m_col = model.col(1.0, math.inf, f_min)
     n = {d: model.col(0.0, math.inf, d * (tab.fixed[d] - f_min) / n_gpus) for d in sizes}
     per = {(d, k): ([], []) for d in sizes for k in range(orders + 1)}  # k = 0: tokens
@@ -101,6 +122,7 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
                 continue
             c = model.col(0.0, 1.0, d * float(work[d][u]) / n_gpus)
             cols.append(c)
+            placed.append((u, d, c))
             per[d, 0][0].append(c), per[d, 0][1].append(float(tokens[u]))
             for k in range(1, orders + 1):
                 if coef[d, k][u] > 0:
@@ -121,19 +143,52 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
     if m_star is None:
         raise SolverTrouble("slot bound: HiGHS found a feasible LP infeasible")
     m_real, value = m_star
-    best = math.inf
-    for m in {math.floor(m_real), math.ceil(m_real)}:  # m_real >= 1: its column's lower bound
+    best, at, x = math.inf, max(1, round(m_real)), np.asarray(h.getSolution().col_value)
+    for m in sorted({math.floor(m_real), math.ceil(m_real)}):  # m_real >= 1: its column's lower bound
         h.changeColBounds(m_col, float(m), float(m))
         got = _solve(h, m_col)
-        if got is not None:
-            best = min(best, got[1])
-    return best if math.isfinite(best) else value
+        if got is not None and got[1] < best:
+            best, at, x = got[1], m, np.asarray(h.getSolution().col_value)
+    sizes = _round_sizes(tab, order, starts, [(u, d, float(x[c])) for u, d, c in placed])
+    return SlotLP(best if math.isfinite(best) else value, at, sizes)
+
+
+def _round_sizes(tab: Tables, order: np.ndarray, starts: np.ndarray,
+                 shares: list[tuple[int, int, float]]) -> np.ndarray:
+    """One size per sequence from the LP's shares ``(unit, size, fraction)``: a single takes its
+    largest share; a bucket's members, shortest first, fill its sizes, smallest first, in
+    proportion to the fractions (by tokens). Never below a sequence's smallest size."""
+    per_unit: dict[int, list[tuple[int, float]]] = {}
+    for u, d, frac in shares:
+        if frac > 1e-9:
+            per_unit.setdefault(u, []).append((d, frac))
+    ends = np.r_[starts[1:], len(order)]
+    out = tab.min_size.copy()
+    for u, (a, b) in enumerate(zip(starts.tolist(), ends.tolist())):
+        found = sorted(per_unit.get(u, []))
+        if not found:
+            continue
+        members = order[a:b]
+        if len(members) == 1:
+            out[members[0]] = max(found, key=lambda t: (t[1], -t[0]))[0]
+            continue
+        members = members[np.argsort(tab.lens[members], kind="stable")]
+        tokens = np.cumsum(tab.lens[members]) / float(tab.lens[members].sum())
+        cum = np.cumsum([f for _, f in found])
+        k = np.minimum(np.searchsorted(cum / cum[-1], tokens - 1e-9), len(found) - 1)
+        out[members] = [found[j][0] for j in k.tolist()]
+    return np.maximum(out, tab.min_size)
 
 
 def _solve(h: highspy.Highs, m_col: int) -> tuple[float, float] | None:
-    """Run; (m, objective) at an optimum, None when infeasible. Any other status raises."""
+    """Run; (m, objective) at an optimum, None when infeasible. A hot start that ends without
+    either is run again from scratch; any other status after that raises."""
     h.run()
     status = h.getModelStatus()
+    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+        h.clearSolver()  # HiGHS may return 'Unknown' from a hot start after a bound change
+        h.run()
+        status = h.getModelStatus()
     if status == highspy.HighsModelStatus.kOptimal:
         return float(h.getSolution().col_value[m_col]), float(h.getInfo().objective_function_value)
     if status == highspy.HighsModelStatus.kInfeasible:
