@@ -7,9 +7,10 @@ Strategies (same harness, same cost model, same packing helpers):
 * ``batchada``: the best single group size for this batch;
 * ``megatron-dcp``: Megatron's dynamic-context-parallel greedy (as described for its dev branch);
 * ``flexsp``: anytime planning within ``PlannerConfig.time_budget_s``: the best homogeneous plan
-  (never worse than it), the polynomial step search of :mod:`search` and its local search, a valid
-  lower bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batch's makespan), then
-  with ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
+  (never worse than it), the slot LP of :mod:`slot_bound` (a bound, and its placement rounded into a
+  plan), the polynomial step search of :mod:`search` and its local search, a valid lower bound
+  (:mod:`bound`, an LP relaxation searched over the slowest micro-batch's makespan), then with
+  ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
   plan on the time left: they improve it or prove it, and their dual bound tightens the gap.
 """
 
@@ -165,8 +166,8 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
-    the best homogeneous plan, the fast search and its local search, the LP bound, then the MILPs
-    (``search="milp"``) on what is left, ending at 85% of the budget (assembling the plan follows)."""
+    the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
+    fast search and its local search, the LP bound, then the MILPs (``search="milp"``) on what is left, ending at 85% of the budget (assembling the plan follows)."""
     info: dict = {}
     candidates = []
     homo = H.best_homogeneous(tab, tab.sizes)
@@ -178,10 +179,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["homogeneous_time_s"] = deadline.elapsed()
     slot = _slot_lp(tab, info)
     rounded = []
-    if slot is not None:  # the slot LP's placement, rounded to sizes and packed (then drained)
+    if slot is not None:  # the slot LP's placement, rounded to one size per sequence and packed
         layout = pack_at_sizes(tab, slot.sizes)
-        info["drained"] = {"lp-rounded": drain_micro_batches(layout, tab, deadline=_phase(deadline, cfg, 0.2),
-                                                            tries=8)}
         rounded.append((tab.step_ms(layout), "lp-rounded", layout))
     packer = LevelPacker(tab)
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
@@ -197,13 +196,12 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
     # the best layout of each family (at most four): empty short micro-batches into the others'
-    # free memory (groups first and the rounded LP were drained already); then the local search
-    # on the two best
+    # free memory (groups first was drained in the search); then the local search on the two best
     drained = set()
     for k, (ms, name, layout) in enumerate(found):
         if name not in drained and len(drained) < 4:
             drained.add(name)
-            if name in ("groups-first", "lp-rounded"):
+            if name == "groups-first":
                 continue
             info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=local, tries=8)
             found[k] = (tab.step_ms(layout), name, layout)

@@ -1,7 +1,9 @@
-"""Memory packing: the groups-first layouts are valid plans, the dual-feasible functions are valid,
-and the slot bound never exceeds the brute-force optimum (tiny instances, 1 to 6 micro-batches)."""
+"""Memory packing: the groups-first and LP-rounded layouts are valid plans, the dual-feasible
+functions are valid, and the slot bound never exceeds the brute-force optimum (tiny instances, 1 to
+6 micro-batches)."""
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -9,14 +11,28 @@ import pytest
 from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.plan import validate_plan
 from megatron_flexsp.planner import plan_step
-from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, place_by_time
-from megatron_flexsp.planner.layout import Group, Tables, to_step_plan
-from megatron_flexsp.planner.slot_bound import dff, slot_bound
+from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, pack_at_sizes, place_by_time
+from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, to_step_plan
+from megatron_flexsp.planner.slot_bound import _round_sizes, dff, slot_bound, solve_slot_lp
 from megatron_flexsp.sim.corpora import synthetic_lengths
 from megatron_flexsp.sim.workloads import sample_batches
 from tests.unit.helpers import tiny_cost_model
 from tests.unit.test_level_bound import many_micro_batch_instance
 from tests.unit.test_planner import small_instance
+
+
+def _paper_cluster(num_gpus=64):
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+
+    return CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=num_gpus,
+                                  max_seq_len=196608)
+
+
+def _batch(corpus, size, cm):
+    b = sample_batches(synthetic_lengths(corpus, seed=1), global_batch=size, num_batches=1, seed=0,
+                       max_seq_len=196608)[0][0]
+    return np.minimum(b, cm.max_tokens)
 
 
 def test_dual_feasible_functions_never_sum_above_one_in_a_full_group():
@@ -55,14 +71,9 @@ def test_slot_bound_sees_memory_that_fluid_tokens_miss():
 
 @pytest.mark.parametrize("corpus,batch", [("lognormal-16k", 256), ("github", 512), ("bimodal", 128)])
 def test_groups_first_layouts_are_valid_plans(corpus, batch):
-    from megatron_flexsp.cost_model import CostModel, load_profile
-    from megatron_flexsp.model_spec import get_model
-
-    cm = CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=64,
-                                max_seq_len=196608)
-    b = sample_batches(synthetic_lengths(corpus, seed=1), global_batch=batch, num_batches=1, seed=0,
-                       max_seq_len=196608)[0][0]
-    tab = Tables(np.minimum(b, cm.max_tokens), cm)
+    cm = _paper_cluster()
+    b = _batch(corpus, batch, cm)
+    tab = Tables(b, cm)
     assert bin_sizes(tab) == [1, 2, 4, 8]
     for bin_size in bin_sizes(tab):
         layout = groups_first(tab, bin_size)
@@ -77,6 +88,53 @@ def test_groups_first_layouts_are_valid_plans(corpus, batch):
         validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="groups-first"))
     with pytest.raises(ValueError, match="bin_size=3"):
         groups_first(tab, 3)
+
+
+def test_lp_rounding_follows_the_shares():
+    """A single takes its largest share; a bucket's members, shortest first, fill the sizes,
+    smallest first, in proportion to tokens; nothing goes below its smallest size."""
+    tab = Tables(np.array([500, 10, 20, 30, 40]), tiny_cost_model())
+    order, starts = np.array([0, 4, 2, 1, 3]), np.array([0, 1])  # unit 0: seq 0; unit 1: the rest
+    sizes = _round_sizes(tab, order, starts, [(0, 2, 0.4), (0, 4, 0.6), (1, 1, 0.3), (1, 2, 0.7)])
+    # bucket tokens by length 10, 20, 30, 40: cumulative 0.1, 0.3, 0.6, 1.0 -> sizes 1, 1, 2, 2
+    assert sizes[1:].tolist() == [1, 1, 2, 2]
+    assert sizes[0] == max(4, tab.min_size[0])
+
+
+@pytest.mark.parametrize("corpus,batch", [("lognormal-16k", 512), ("github", 512), ("bimodal", 128)])
+def test_lp_rounded_layouts_are_valid_plans(corpus, batch):
+    cm = _paper_cluster()
+    tab = Tables(_batch(corpus, batch, cm), cm)
+    slot = solve_slot_lp(tab)
+    assert slot.bound_ms == slot_bound(tab)
+    assert set(slot.sizes.tolist()) <= set(tab.sizes) and (slot.sizes >= tab.min_size).all()
+    layout = pack_at_sizes(tab, slot.sizes)
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(tab.lens)))
+    for mb in layout:
+        assert sum(g.size for g in mb) <= 64
+        for g in mb:
+            assert g.tokens <= tab.cap[g.size]
+            assert all(g.size <= slot.sizes[i] for i in g.seqs)  # shrunk, never grown
+    validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="lp-rounded"))
+    assert tab.step_ms(layout) >= slot.bound_ms
+    with pytest.raises(ValueError, match="one allowed group size"):
+        pack_at_sizes(tab, np.full(len(tab.lens), 3))
+
+
+def test_lp_rounding_beats_groups_first_where_memory_binds():
+    """lognormal mean 16K at 64 GPUs: memory sets the micro-batch count; the LP's sizes put short
+    sequences into the memory long ones leave in large groups, which groups first never does (they
+    are beyond one node); drained alike, the rounded LP is faster by over half a percent."""
+    cm = _paper_cluster()
+    tab = Tables(_batch("lognormal-16k", 1024, cm), cm)
+    rounded = pack_at_sizes(tab, solve_slot_lp(tab).sizes)
+    drain_micro_batches(rounded, tab, tries=8)
+    best_gf = math.inf
+    for d in bin_sizes(tab)[:2]:
+        layout = groups_first(tab, d)
+        drain_micro_batches(layout, tab, tries=8)
+        best_gf = min(best_gf, tab.step_ms(layout))
+    assert tab.step_ms(rounded) < 0.995 * best_gf
 
 
 def test_place_by_time_opens_a_micro_batch_only_when_the_others_are_full():
@@ -94,16 +152,11 @@ def test_place_by_time_opens_a_micro_batch_only_when_the_others_are_full():
 def test_flexsp_uses_groups_first_where_memory_binds():
     """On a memory-bound batch (lognormal mean 16K, 64 GPUs) the planner's plan is at least as fast
     as the groups-first layouts and well below the DCP baseline."""
-    from megatron_flexsp.cost_model import CostModel, load_profile
-    from megatron_flexsp.model_spec import get_model
-
-    cm = CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=64,
-                                max_seq_len=196608)
-    b = sample_batches(synthetic_lengths("lognormal-16k", seed=1), global_batch=512, num_batches=1,
-                       seed=0, max_seq_len=196608)[0][0]
+    cm = _paper_cluster()
+    b = _batch("lognormal-16k", 512, cm)
     plan = plan_step(b, cm, config=PlannerConfig(over_length="truncate"), max_seq_len=196608)
     validate_plan(plan)
-    tab = Tables(np.minimum(b, cm.max_tokens), cm)
+    tab = Tables(b, cm)
     best_gf = min(tab.step_ms(groups_first(tab, d)) for d in bin_sizes(tab))
     assert plan.predicted_step_ms <= best_gf * (1 + 1e-9)
     dcp = plan_step(b, cm, strategy="megatron-dcp", max_seq_len=196608)
