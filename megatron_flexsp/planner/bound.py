@@ -1,20 +1,24 @@
 """A valid lower bound on the step time, by branch and bound over the fullest micro-batch's makespan.
 
 Any plan with ``m`` micro-batches has a slowest micro-batch of makespan ``T1`` (fixed costs
-included) and the others sum to ``R``; the step time is ``T1 + R``. For a fixed ``T1`` the linear
-program below is a relaxation of every such plan, so its optimum ``R*(T1)`` bounds ``R`` from below:
+included) and the others sum to ``R``; the step time is ``T1 + R``. For ``T1`` in an interval
+``[a, b]`` the linear program below is a relaxation of every such plan, so its least ``T1 + R``
+bounds the step from below:
 
 * micro-batch 1, per group size ``d``: a continuous group count ``n_d`` with the work of the
-  sequences put there within ``n_d (T1 - f_d)``, their tokens within ``n_d d C``, sequences holding
-  more than half a group's memory one per group, ``sum_d d n_d <= N``; a sequence (or bucket) may use
-  size ``d`` only if it fits its memory and finishes within ``T1`` there;
-* the other micro-batches, pooled: GPU-time within ``N (R - (m-1) f_min)``, tokens within
+  sequences put there within ``n_d (b - f_d)``, their tokens within ``n_d d C``, sequences holding
+  more than half a group's memory one per group, sequences whose work is over half of
+  ``b - f_d`` one per group (two would not finish within ``b``), ``sum_d d n_d <= N``, and
+  ``N T1 >= N f_min +`` its groups' GPU-time; a sequence (or bucket) may use size ``d`` only if it
+  fits its memory and finishes within ``b`` there;
+* the other micro-batches, pooled: the same per-size rows at their level (within ``b`` and within
+  ``R``'s cap less the others' fixed costs), GPU-time within ``N (R - (m-1) f_min)``, tokens within
   ``(m-1) N C``, and each individual sequence's own time within ``R``.
 
 Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
-reality, so still a relaxation). ``R*`` is non-increasing in ``T1``, hence on an interval
-``[a, b]`` of ``T1`` the step is at least ``a + R*(b)``; intervals are split where the bound is
-lowest until it is within a tolerance or the interval is narrow (a few LP re-solves, independent of N).
+reality, so still a relaxation). The bound of an interval is non-decreasing as it narrows, so
+intervals are split where the bound is lowest until it is within a tolerance or the interval is
+narrow (a few LP re-solves, independent of N).
 """
 
 from __future__ import annotations
@@ -51,30 +55,37 @@ class BoundResult:
 
 
 class _StepLP:
-    """The relaxation for a fixed ``m``; ``solve(T1)`` returns ``R*(T1)`` (inf when infeasible)."""
+    """The relaxation for a fixed ``m``: micro-batch 1 (the slowest, makespan ``T1``) on its own,
+    the other ``m - 1`` pooled (makespans summing to ``R``). ``solve`` returns the least ``T1 + R``
+    (inf when infeasible)."""
 
     def __init__(self, tab: Tables, m: int, units: list[tuple[np.ndarray, bool]]) -> None:
         cm = tab.cm
         self.tab, self.m = tab, m
         n_gpus, cap1 = cm.cluster.num_gpus, cm.capacity_tokens
         sizes = tab.sizes
-        self.f_min = min(tab.fixed.values())
+        self.f_min = f = min(tab.fixed.values())
         lb, ub, cost, rows = [], [], [], []
 
         def col(lo, hi, c=0.0):
             lb.append(lo), ub.append(hi), cost.append(c)
             return len(lb) - 1
 
-        self.R = col((m - 1) * self.f_min, math.inf, 1.0)
-        self.n = {d: col(0.0, float(n_gpus // d)) for d in sizes}
-        self.nr = {d: col(0.0, float((m - 1) * (n_gpus // d))) for d in sizes}
-        self.total1: dict[int, float] = {}   # column -> finish time alone (ms), for the T1 filter
-        self.total_r: dict[int, float] = {}  # the same for the pooled micro-batches (R filter)
+        self.R = col((m - 1) * f, math.inf, 1.0)
+        self.T1 = col(0.0, math.inf, 1.0)
+        # the two parts (micro-batch 1, the pooled others): a group count per size and, per column,
+        # the finish time alone (ms) for the level filter, and the singles' (column, work) per size
+        self.counts = ({d: col(0.0, float(n_gpus // d)) for d in sizes},
+                       {d: col(0.0, float((m - 1) * (n_gpus // d))) for d in sizes})
+        self.totals: tuple[dict[int, float], dict[int, float]] = ({}, {})
+        slow: tuple[dict, dict] = ({}, {})
+        # per part and size: time idx/val, mem idx/val, heavy idx/val (a lower bound on the number
+        # of sequences over half a group's memory that the column places)
+        per = tuple({d: ([], [], [], [], [], []) for d in sizes} for _ in range(2))
         area_idx, area_val, mem_idx, mem_val = [self.R], [-float(n_gpus)], [], []
-        # per size: time idx/val, mem idx/val, heavy idx/val (a lower bound on the number of
-        # sequences over half a group's memory that the column places)
-        per_d = {d: ([], [], [], [], [], []) for d in sizes}
-        per_r = {d: ([], [], [], [], [], []) for d in sizes}  # the same for the pooled micro-batches
+        # micro-batch 1: N T1 >= N f_min + sum over its groups of d (f_d - f_min + work)
+        area1_idx = [self.T1] + [self.counts[0][d] for d in sizes]
+        area1_val = [float(n_gpus)] + [-d * (tab.fixed[d] - f) for d in sizes]
         for members, single in units:
             tokens = float(tab.lens[members].sum())
             longest = int(tab.lens[members].max())
@@ -88,15 +99,17 @@ class _StepLP:
                 else:  # fluid bucket at its shortest member's rate
                     alone = float(cm.seq_time_ms(np.array([lo]), d)[0])
                     t = alone / lo * tokens
-                c1, cr = col(0.0, 1.0), col(0.0, 1.0)  # micro-batch 1, the pooled others
-                for c, per, cnt in ((c1, per_d, self.n), (cr, per_r, self.nr)):
-                    ti, tv, mi, mv, hi, hv = per[d]
+                c1, cr = col(0.0, 1.0), col(0.0, 1.0)
+                for c, part, cnt, totals, sl in zip((c1, cr), per, self.counts, self.totals, slow):
+                    ti, tv, mi, mv, hi, hv = part[d]
                     ti.append(c), tv.append(t), mi.append(c), mv.append(tokens)
                     if lo * 2 > tab.cap[d]:  # every member needs a group of its own here
                         hi.append(c), hv.append(1.0 if single else tokens / longest)
                     if single:  # a sequence placed there needs at least one whole group
                         rows.append((-math.inf, 0.0, [c, cnt[d]], [1.0, -1.0]))
-                self.total1[c1] = self.total_r[cr] = alone + tab.fixed[d]
+                        sl.setdefault(d, []).append((c, t))
+                    totals[c] = alone + tab.fixed[d]
+                area1_idx.append(c1), area1_val.append(-d * t)
                 area_idx.append(cr), area_val.append(d * t)
                 mem_idx.append(cr), mem_val.append(tokens)
                 own.append((c1, cr, t + tab.fixed[d]))
@@ -104,15 +117,19 @@ class _StepLP:
                 raise ValueError(f"sequence of {longest} tokens fits no group "
                                  f"(largest holds {max(tab.cap.values())})")
             rows.append((1.0, 1.0, [c for c1, cr, _ in own for c in (c1, cr)], [1.0] * (2 * len(own))))
-            if single:
+            if single:  # its finish alone within micro-batch 1's makespan, or within R
+                rows.append((-math.inf, 0.0, [c1 for c1, _, _ in own] + [self.T1],
+                             [tt for _, _, tt in own] + [-1.0]))
                 rows.append((-math.inf, 0.0, [cr for _, cr, _ in own] + [self.R],
                              [tt for _, _, tt in own] + [-1.0]))
         # per size: work within groups x level (coefficient set per probe), tokens within memory,
-        # sequences over half a group's memory one per group
-        self.time_rows, self.time_rows_r = {}, {}
-        for per, cnt, where in ((per_d, self.n, self.time_rows), (per_r, self.nr, self.time_rows_r)):
+        # sequences over half a group's memory one per group; and singles whose work is over half
+        # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
+        self.time_rows: tuple[dict[int, int], dict[int, int]] = ({}, {})
+        self.slow_rows: tuple[dict, dict] = ({}, {})
+        for part, cnt, where, sl, slow_rows in zip(per, self.counts, self.time_rows, slow, self.slow_rows):
             for d in sizes:
-                ti, tv, mi, mv, hi, hv = per[d]
+                ti, tv, mi, mv, hi, hv = part[d]
                 if not ti:
                     continue
                 where[d] = len(rows)
@@ -120,9 +137,14 @@ class _StepLP:
                 rows.append((-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])]))
                 if sum(hv) > 1.0:
                     rows.append((-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0]))
-        rows.append((-math.inf, float(n_gpus), list(self.n.values()), [float(d) for d in self.n]))
-        rows.append((-math.inf, float((m - 1) * n_gpus), list(self.nr.values()), [float(d) for d in self.nr]))
-        rows.append((-math.inf, -float(n_gpus) * (m - 1) * self.f_min, area_idx, area_val))
+                if d in sl:
+                    slow_rows[d] = (len(rows), sl[d])
+                    rows.append((-math.inf, 0.0, [cnt[d]], [-1.0]))
+        self._slow_coef: dict[tuple[int, int], float] = {}
+        rows.append((-math.inf, float(n_gpus), list(self.counts[0].values()), [float(d) for d in sizes]))
+        rows.append((-math.inf, float((m - 1) * n_gpus), list(self.counts[1].values()), [float(d) for d in sizes]))
+        rows.append((-math.inf, -float(n_gpus) * (m - 1) * f, area_idx, area_val))
+        rows.append((float(n_gpus) * f, math.inf, area1_idx, area1_val))
         rows.append((-math.inf, float((m - 1) * n_gpus * cap1), mem_idx, mem_val))
         with _quiet_stdout():
             h = highspy.Highs()
@@ -143,30 +165,33 @@ class _StepLP:
         h.passModel(lp)
         self.h = h
         self.solves = 0
-        self._cols = None
+        self._cols = np.array(list(self.totals[0]) + list(self.totals[1]), dtype=np.int32)
+        self._alone = np.array(list(self.totals[0].values()) + list(self.totals[1].values()))
+        self._first = np.arange(len(self._cols)) < len(self.totals[0])
 
-    def solve(self, t1: float, r_cap: float) -> float:
-        """Least ``R`` (ms) of relaxed plans whose slowest micro-batch is within ``t1`` and whose
-        other micro-batches sum to at most ``r_cap`` (inf when there is none)."""
+    def solve(self, t1_lo: float, t1: float, r_cap: float) -> float:
+        """Least ``T1 + R`` (ms) of relaxed plans with ``t1_lo <= T1 <= t1`` whose other micro-batches
+        sum to ``R <= r_cap`` (inf when there is none)."""
         h, tab = self.h, self.tab
         # each other micro-batch is within t1 and within r_cap less the others' fixed costs
         level_r = max(min(t1, r_cap - (self.m - 2) * self.f_min), 0.0)
-        for d, row in self.time_rows.items():
-            h.changeCoeff(row, self.n[d], -(t1 - tab.fixed[d]))
-        for d, row in self.time_rows_r.items():
-            h.changeCoeff(row, self.nr[d], -(level_r - tab.fixed[d]))
-        if self._cols is None:
-            self._cols = np.array(list(self.total1) + list(self.total_r), dtype=np.int32)
-            self._totals = np.array(list(self.total1.values()) + list(self.total_r.values()))
-            self._first = np.arange(len(self._cols)) < len(self.total1)
-        caps = np.where(self._first, t1, level_r)
-        upper = (self._totals <= caps).astype(np.float64)
+        for k, level in enumerate((t1, level_r)):
+            for d, row in self.time_rows[k].items():
+                h.changeCoeff(row, self.counts[k][d], -(level - tab.fixed[d]))
+            for d, (row, members) in self.slow_rows[k].items():
+                for c, work in members:
+                    coef = 1.0 if 2.0 * work > level - tab.fixed[d] else 0.0
+                    if self._slow_coef.get((row, c), 0.0) != coef:
+                        h.changeCoeff(row, c, coef)
+                        self._slow_coef[row, c] = coef
+        upper = (self._alone <= np.where(self._first, t1, level_r)).astype(np.float64)
         h.changeColsBounds(len(self._cols), self._cols, np.zeros(len(self._cols)), upper)
         r_lo = (self.m - 1) * self.f_min
         r_hi = min((self.m - 1) * t1, r_cap)
-        if r_hi < r_lo:
+        if r_hi < r_lo or t1 < t1_lo:
             return math.inf
         h.changeColBounds(self.R, r_lo, r_hi)
+        h.changeColBounds(self.T1, t1_lo, t1)
         h.run()
         self.solves += 1
         status = h.getModelStatus()
@@ -179,22 +204,22 @@ class _StepLP:
         raise SolverTrouble(f"LP bound: HiGHS returned {h.modelStatusToString(status)!r} "
                             f"(m={self.m}, T1={t1:.1f} ms, R cap={r_cap:.1f} ms)")
 
-    def least_rest(self, t1: float, r_cap: float, rel_tol: float, deadline=None) -> float:
-        """Valid lower bound on ``R`` for plans with ``T1 <= t1`` and ``R <= r_cap`` (``r_cap`` when
-        there is none): bisection on the cap, each feasible probe also raising the floor; stopping
-        early (``deadline``) returns the floor reached, still valid."""
-        v = self.solve(t1, r_cap)
-        if v == math.inf:
-            return r_cap
-        lo, hi = v, r_cap
+    def least_step(self, t1_lo: float, t1: float, r_cap: float, rel_tol: float, deadline=None) -> float:
+        """Valid lower bound on the step time of plans with ``t1_lo <= T1 <= t1`` and ``R <= r_cap``
+        (``t1_lo + r_cap`` when there is none): plans with ``R <= r`` take at least the LP value
+        ``g(r)``, the others at least ``t1_lo + r``; bisection on ``r`` for the largest
+        ``min(g(r), t1_lo + r)``. Stopping early (``deadline``) returns what was proven so far."""
+        best = min(self.solve(t1_lo, t1, r_cap), t1_lo + r_cap)
+        lo, hi = (self.m - 1) * self.f_min, r_cap
         while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
             mid = 0.5 * (lo + hi)
-            v = self.solve(t1, mid)
-            if v == math.inf:
+            g = self.solve(t1_lo, t1, mid)
+            best = max(best, min(g, t1_lo + mid))
+            if g > t1_lo + mid:
                 lo = mid
             else:
-                lo, hi = max(lo, v), mid
-        return lo
+                hi = mid
+        return best
 
 
 def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:
@@ -230,11 +255,11 @@ def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: 
     lp = _StepLP(tab, m, units)
     if m == 1:
         lo, hi = t1_lo, target_ms
-        if lp.solve(hi, 0.0) == math.inf:
+        if lp.solve(lo, hi, 0.0) == math.inf:
             return BoundResult(m, hi, lp.solves, 0)
         while hi - lo > rel_tol * hi and lp.solves < max_solves and not _late(deadline):
             mid = 0.5 * (lo + hi)
-            if lp.solve(mid, 0.0) == math.inf:
+            if lp.solve(lo, mid, 0.0) == math.inf:
                 lo = mid
             else:
                 hi = mid
@@ -244,7 +269,7 @@ def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: 
         return BoundResult(m, target_ms, 0, 0)
 
     def interval(a: float, b: float) -> float:  # bound on plans with T1 in [a, b]
-        return a + lp.least_rest(b, target_ms - a, rel_tol, deadline)
+        return lp.least_step(a, b, target_ms - a, rel_tol, deadline)
 
     heap = [(interval(t1_lo, t1_hi), t1_lo, t1_hi)]
     while heap:
