@@ -57,7 +57,7 @@ class PlannerConfig:
     refine_node_limit: int = 50
     node_slot_trigger: int = 2
     search: str = "milp"
-    bound_lp_solves: int = 150
+    bound_lp_solves: int = 2000
     time_budget_s: float = 1.0
 
     def __post_init__(self) -> None:

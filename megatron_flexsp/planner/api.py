@@ -191,7 +191,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    local = _phase(deadline, cfg, 0.6)
+    local = _phase(deadline, cfg, 0.55)
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
@@ -226,12 +226,12 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         t0 = time.perf_counter()
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.75))
+                           deadline=_phase(deadline, cfg, 0.8))
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
-                                      _phase(deadline, cfg, 0.85)))
+                                      _phase(deadline, cfg, 0.88)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()

@@ -163,7 +163,7 @@ def milp_phase(tab: Tables, cfg: PlannerConfig, candidates: list, packer: LevelP
                 improve_layout(layout, tab, deadline=deadline)
                 candidates.append((tab.step_ms(layout), name, layout))
     new_ms, name, layout = min(candidates, key=lambda c: c[0])
-    copy = [[_clone(g, tab) for g in mb] for mb in layout]
+    copy = [[tab.clone(g) for g in mb] for mb in layout]
     solved, improved = refine_micro_batches_of(copy, tab, packer, cfg, deadline)
     if improved:
         candidates.append((tab.step_ms(copy), name + "+mb-milp", copy))
@@ -174,9 +174,3 @@ def milp_phase(tab: Tables, cfg: PlannerConfig, candidates: list, packer: LevelP
                  "mb_milp_improved": improved})
     return bound
 
-
-def _clone(g: Group, tab: Tables) -> Group:
-    c = Group(g.size)
-    for i in g.seqs:
-        tab.add(c, i)
-    return c

@@ -129,6 +129,13 @@ class Tables:
         g.load_ms -= float(self.time[g.size][i])
         g.tokens -= int(self.lens[i])
 
+    def clone(self, g: Group) -> Group:
+        """A new group of the same size holding the same sequences."""
+        c = Group(g.size)
+        for i in g.seqs:
+            self.add(c, i)
+        return c
+
     def mb_ms(self, groups: list[Group]) -> float:
         return max((self.finish(g) for g in groups), default=0.0)
 

@@ -32,6 +32,7 @@ import numpy as np
 from megatron_flexsp.planner.groups_first import bin_sizes, groups_first
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 
 Layout = list[list[Group]]
 
@@ -245,10 +246,16 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         for layout in chosen:
             drain_micro_batches(layout, tab, deadline=own, tries=8)
             keep(layout, "groups-first")
-    # 1. common level: from the level of 1.4x the memory minimum of balanced micro-batches to the
+    # the base levels: from the level of 1.4x the memory minimum of balanced micro-batches to the
     #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
     lo = f_min + area / (n_gpus * (1.4 * m_min + 2))
     hi = max(crit, f_min + area / (n_gpus * m_min)) * 1.25
+    # 1. shelves: each micro-batch at its own level, by both scores (half the time left at most)
+    shelf = ShelfPlanner(packer)
+    own = deadline.capped(time.perf_counter() + deadline.left() / 2)
+    for score in SCORES:
+        keep(shelf.layout(items, level_grid(lo, hi, grid), score, own), "shelves")
+    # 2. common level: every micro-batch at one of the base levels (then refined around the best)
     tried: dict[float, float] = {}
     cap_mbs = 4 * m_min + 8
     for level in level_grid(lo, hi, grid):
@@ -265,7 +272,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             if deadline.expired():
                 break
             keep(common_level(packer, items, level, cap_mbs), "level")
-    # 2. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
+    # 3. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
     #    rest split at its memory minimum (one more when that does not pack); the levels are tried
     #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound)
     firsts = []
@@ -288,7 +295,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             if rest is not None:
                 keep([first] + rest, "stuffed+split")
                 break
-    # 3. balanced split over micro-batch counts
+    # 4. balanced split over micro-batch counts
     _, _, layout = best_split(packer, items, deadline, upper_ms=best)
     keep(layout, "split")
     return out

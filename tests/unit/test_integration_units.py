@@ -124,6 +124,15 @@ def test_settings_file(tmp_path):
     assert load_settings(str(cfg)).planning.solver_priority == "idle"
 
 
+def test_default_settings_file_lists_the_defaults():
+    """configs/flexsp_default.yaml says it lists the defaults: every value it names is the code's."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    loaded, defaults = load_settings(str(root / "configs" / "flexsp_default.yaml")), load_settings(None)
+    assert loaded == defaults
+
+
 def _indexed(tmp_path, lens, name="docs"):
     """A Megatron indexed dataset whose document d holds tokens ``d*1000 + 0..lens[d]-1``."""
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder

@@ -1,0 +1,132 @@
+"""Shelves: micro-batches stuffed one after another, each at a level chosen for it.
+
+The common-level family (:mod:`planner.search`) stuffs every micro-batch at one level ``T`` (or
+the fastest finish of its hardest sequence). Long sequences often want another level: eight
+sequences of 196K tokens finish in 9.3 s on groups of 32 GPUs but in 4.9 s on groups of 64, and
+the slower micro-batch holds twice as many of them for 5% less GPU-time; two long sequences
+stacked in one group may beat two micro-batches. Here each micro-batch (a *shelf*) tries
+
+* the base levels (a grid given by the caller, each raised to the fastest finish of the hardest
+  sequence left),
+* every size's finish time of the ``hardest`` sequences left, up to three times the lowest base,
+* a geometric grid of ``grid`` levels up to three times it (long sequences stacked in one group, or
+  short ones in fewer, slower micro-batches),
+
+stuffs the micro-batch at each (:meth:`LevelPacker.stuff`) and keeps the best by one of two scores:
+
+* ``value``: the work it takes per ms of makespan, a sequence being worth its least GPU-time over
+  N plus its share ``tokens / (N C)`` of one fixed cost (a micro-batch full in time and memory
+  scores about 1): greedy shelf packing by efficiency;
+* ``estimate``: its makespan plus a lower estimate of the rest (the memory-minimum count of fixed
+  costs plus the rest's least GPU-time over N, or its hardest sequence's fastest finish).
+
+Once the hardest sequence left finishes below every base, a micro-batch only tries the levels next
+to the one before. What is left once it fits in one micro-batch is packed at its smallest level. Stuffings are cached
+by the choices that led to them, so the two scores share their common first shelves. A shelf costs
+``O(candidates x n log n)`` with a bounded number of candidates: polynomial in sequences,
+micro-batches and group sizes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from megatron_flexsp.planner.layout import Group
+from megatron_flexsp.planner.level import LevelPacker
+
+Layout = list[list[Group]]
+SCORES = ("value", "estimate")
+
+
+class ShelfPlanner:
+    """Shelf layouts of one batch (see the module docstring).
+
+    ``hardest``: sequences whose finish times are candidate levels; ``grid``: levels of the grid
+    above the base; ``near``: levels on either side of the one before tried once only short
+    sequences are left; ``last_tol``: relative tolerance of the last micro-batch's smallest level.
+    """
+
+    def __init__(self, packer: LevelPacker, hardest: int = 6, grid: int = 6, near: int = 4,
+                 last_tol: float = 2e-2) -> None:
+        tab = packer.tab
+        self.packer, self.tab = packer, tab
+        self.hardest, self.grid, self.near, self.last_tol = hardest, grid, near, last_tol
+        self.n_gpus = packer.n_gpus
+        self.mb_tokens = tab.cm.capacity_tokens * packer.n_gpus
+        self.f_min = packer.f_min
+        # what a sequence is worth in a micro-batch full in time and memory (ms)
+        self.value = (packer.gpu_time_min / self.n_gpus
+                      + self.f_min * tab.lens.astype(np.float64) / self.mb_tokens)
+        self._memo: dict[tuple, tuple[list[Group], np.ndarray]] = {}
+
+    def candidates(self, left: np.ndarray, bases: list[float], last: float | None = None) -> list[float]:
+        """Levels (ms) to try for the next micro-batch of ``left`` (ascending). ``last``: the level
+        of the micro-batch before; once the hardest sequence left finishes below every base, only
+        the ``near`` levels on either side of it are tried (a run of short sequences keeps about
+        the same level)."""
+        p = self.packer
+        crit = p.critical[left]
+        hardest = float(crit.max())
+        raised = {max(b, hardest) for b in bases}
+        c0 = min(raised)
+        top = left[np.argsort(-crit, kind="stable")[:self.hardest]]
+        times = p.total[:, top][p.ok[:, top]]
+        out = raised | {float(t) * (1 + 1e-9) for t in times if c0 < t <= 3 * c0}  # just above: it fits
+        if self.grid > 1:
+            out.update(c0 * 3 ** (k / (self.grid - 1)) for k in range(1, self.grid))
+        levels = sorted(out)
+        if last is not None and hardest < min(bases):
+            k = int(np.searchsorted(levels, last))
+            return levels[max(k - self.near, 0):k + self.near + 1]
+        return levels
+
+    def layout(self, items: np.ndarray, bases: list[float], score: str, deadline) -> Layout | None:
+        """Shelves of ``items`` over the base levels ``bases`` (ms) with ``score`` (one of
+        :data:`SCORES`); None when ``deadline`` passes first. The layout's groups are its own."""
+        if score not in SCORES:
+            raise ValueError(f"score={score!r} must be one of {SCORES}")
+        tab, p = self.tab, self.packer
+        left = np.asarray(items, dtype=np.int64)
+        path: tuple = ()
+        last = None
+        shelves: list[list[Group]] = []
+        while len(left):
+            if deadline.expired():
+                return None
+            if int(tab.lens[left].sum()) <= self.mb_tokens:
+                found = p.min_level(left, rel_tol=self.last_tol)
+                if found is not None:
+                    shelves.append(found[1])
+                    break
+            best = None
+            for level in self.candidates(left, bases, last):
+                key = path + (level,)
+                if key not in self._memo:
+                    self._memo[key] = p.stuff(left, level)
+                groups, rest = self._memo[key]
+                if not groups:
+                    continue
+                ms = tab.mb_ms(groups)
+                if score == "value":
+                    rank = -float(self.value[left].sum() - self.value[rest].sum()) / ms
+                else:
+                    rank = ms + self._estimate(rest)
+                if best is None or rank < best[0]:
+                    best = (rank, level, groups, rest)
+            if best is None:
+                return None
+            _, last, groups, left = best
+            path += (last,)
+            shelves.append(groups)
+        return [[tab.clone(g) for g in mb] for mb in shelves]
+
+    def _estimate(self, rest: np.ndarray) -> float:
+        """Lower estimate (ms) of the micro-batches ``rest`` needs."""
+        if not len(rest):
+            return 0.0
+        p = self.packer
+        m = math.ceil(int(self.tab.lens[rest].sum()) / self.mb_tokens)
+        return max(m * self.f_min + float(p.gpu_time_min[rest].sum()) / self.n_gpus,
+                   float(p.critical[rest].max()) + (m - 1) * self.f_min)
