@@ -183,9 +183,10 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         layout = pack_at_sizes(tab, slot.sizes)
         rounded.append((tab.step_ms(layout), "lp-rounded", layout))
     packer = LevelPacker(tab)
+    info["search_family_s"] = {}
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
-                        deadline=_phase(deadline, cfg, 0.45)) + rounded
+                        deadline=_phase(deadline, cfg, 0.45), times=info["search_family_s"]) + rounded
     found.sort(key=lambda c: c[0])
     families: dict[str, float] = {}
     for ms, name, _ in found:

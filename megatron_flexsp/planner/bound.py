@@ -90,6 +90,14 @@ class _StepLP:
         area = [([c] + [self.counts[p][d] for d in sizes], [-float(n_gpus)] + [d * (tab.fixed[d] - f) for d in sizes])
                 for p, c in enumerate(self.T + ([self.R] if self.pooled else []))]
         mem = [([], []) for _ in parts]
+        # least work per token of anything on each size (a bucket at its shortest member's rate)
+        self.rate: dict[int, float] = {}
+        for members, _ in units:
+            lo = int(tab.lens[members].min())
+            for d in sizes:
+                if int(tab.lens[members].max()) <= tab.cap[d]:
+                    r = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo
+                    self.rate[d] = min(self.rate.get(d, math.inf), r)
         for members, single in units:
             tokens = float(tab.lens[members].sum())
             longest = int(tab.lens[members].max())
@@ -111,7 +119,7 @@ class _StepLP:
                         hi.append(c), hv.append(1.0 if single else tokens / longest)
                     if single:  # a sequence placed there needs at least one whole group
                         mdl.row(-math.inf, 0.0, [c, self.counts[p][d]], [1.0, -1.0])
-                        slow[p].setdefault(d, []).append((c, t))
+                        slow[p].setdefault(d, []).append((c, t, tokens))
                     alone[p][c] = t_alone + tab.fixed[d]
                     area[p][0].append(c), area[p][1].append(d * t)
                     mem[p][0].append(c), mem[p][1].append(tokens)
@@ -127,7 +135,9 @@ class _StepLP:
         # sequences over half a group's memory one per group; and singles whose work is over half
         # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
         self.time_rows: list[dict[int, int]] = [{} for _ in parts]
+        self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
         self.slow_rows: list[dict[int, tuple[int, list]]] = [{} for _ in parts]
+        self.total_mem_rows: list[int] = []
         for p in parts:
             cnt = self.counts[p]
             for d in sizes:
@@ -136,6 +146,7 @@ class _StepLP:
                     continue
                 self.time_rows[p][d] = len(mdl.rows)
                 mdl.row(-math.inf, 0.0, ti + [cnt[d]], tv + [0.0])
+                self.mem_rows[p][d] = len(mdl.rows)
                 mdl.row(-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])])
                 if sum(hv) > 1.0:
                     mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
@@ -143,6 +154,7 @@ class _StepLP:
                     self.slow_rows[p][d] = (len(mdl.rows), slow[p][d])
                     mdl.rows.append((-math.inf, 0.0, [cnt[d]], [-1.0]))
             mdl.row(-math.inf, float(copies[p] * n_gpus), list(cnt.values()), [float(d) for d in sizes])
+            self.total_mem_rows.append(len(mdl.rows))
             mdl.row(-math.inf, float(copies[p] * n_gpus * cm.capacity_tokens), *mem[p])
             mdl.row(-math.inf, -float(n_gpus) * copies[p] * f, *area[p])
         for p in range(k - 1):  # sorted by makespan
@@ -150,9 +162,15 @@ class _StepLP:
         self.h = mdl.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
         self.h.setOptionValue("presolve", "off")  # re-solves start from the previous basis
         self.solves = 0
-        self._slow_coef: dict[tuple[int, int], float] = {}
+        self._coef: dict[tuple[int, int], float] = {}
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
+
+    def _set(self, row: int, col: int, value: float, initial: float) -> None:
+        """Set a coefficient the probes change (``initial``: its value in the model as built)."""
+        if self._coef.get((row, col), initial) != value:
+            self.h.changeCoeff(row, col, value)
+            self._coef[row, col] = value
 
     def levels(self, box: Box, r_cap: float) -> list[float]:
         """Each part's level: the explicit ones' upper ends; the pooled ones within the last of
@@ -174,11 +192,15 @@ class _StepLP:
             for d, row in self.time_rows[p].items():
                 h.changeCoeff(row, self.counts[p][d], -(level - tab.fixed[d]))
             for d, (row, members) in self.slow_rows[p].items():
-                for c, work in members:
-                    coef = 1.0 if 2.0 * work > level - tab.fixed[d] else 0.0
-                    if self._slow_coef.get((row, c), 0.0) != coef:
-                        h.changeCoeff(row, c, coef)
-                        self._slow_coef[row, c] = coef
+                room = level - tab.fixed[d]
+                for c, work, tokens in members:
+                    heavy = 2.0 * work > room
+                    self._set(row, c, 1.0 if heavy else 0.0, 0.0)
+                    # a slow single's group (one per group) has under half its time left: the
+                    # memory that time cannot fill, at the least work per token, is lost to the rest
+                    lost = max(0.0, tab.cap[d] - tokens - max(room - work, 0.0) / self.rate[d]) if heavy else 0.0
+                    self._set(self.mem_rows[p][d], c, tokens + lost, tokens)
+                    self._set(self.total_mem_rows[p], c, tokens + lost, tokens)
             upper = (self._alone[p] <= level).astype(np.float64)
             h.changeColsBounds(len(self._cols[p]), self._cols[p], np.zeros(len(upper)), upper)
         for col, (a, b) in zip(self.T, box):

@@ -203,10 +203,11 @@ def first_levels(packer: LevelPacker, items: np.ndarray, lo: float, hi: float, g
 
 
 def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float, deadline: Deadline,
-                grid: int = 8) -> list[tuple[float, str, Layout]]:
+                grid: int = 8, times: dict | None = None) -> list[tuple[float, str, Layout]]:
     """Candidate layouts of the whole batch (see the module docstring), each with its step time
-    (ms) and family name; only those faster than ``upper_ms``. Cheapest families first, so a short
-    deadline still leaves the common levels."""
+    (ms) and family name; only those faster than ``upper_ms``. Each family is capped so that a
+    short deadline still leaves time to the next. ``times`` (if given) gets the seconds each
+    family took."""
     n_gpus = tab.cm.cluster.num_gpus
     items = np.arange(len(tab.lens))
     f_min = packer.f_min
@@ -215,8 +216,14 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     out: list[tuple[float, str, Layout]] = []
     best = upper_ms
 
+    clock = [time.perf_counter()]
+
     def keep(layout: Layout | None, name: str) -> None:
         nonlocal best
+        now = time.perf_counter()
+        if times is not None:
+            times[name] = times.get(name, 0.0) + now - clock[0]
+        clock[0] = now
         if layout is None:
             return
         ms = tab.step_ms(layout)

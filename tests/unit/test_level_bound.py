@@ -140,3 +140,44 @@ def test_a_non_optimal_lp_status_falls_back_to_the_simple_bound(monkeypatch, cap
     assert r.bound_ms == pytest.approx(min(simple, opt))
     assert r.bound_ms <= honest.bound_ms + 1e-9
     assert "Time limit" in caplog.text and "simple bound" in caplog.text
+
+
+def test_lp_bound_is_valid_beside_a_long_slow_sequence():
+    """One sequence needing every GPU plus a few short ones, all in one micro-batch's memory: the
+    long one leaves memory its group has no time to fill. The bound never passes the brute-force
+    optimum, and is above the simple bound on some of these instances."""
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm = tiny_cost_model()
+    rng = np.random.default_rng(0)
+    above = 0
+    for _ in range(40):
+        lens = np.array([int(rng.integers(201, 400))] + rng.integers(5, 60, size=int(rng.integers(2, 5))).tolist())
+        tab = Tables(lens, cm)
+        if min_micro_batches(tab) != 1:
+            continue
+        opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+        r = lp_step_bound(tab, target_ms=2 * opt, max_solves=500)
+        assert r.bound_ms <= opt * (1 + 1e-6), (lens, r.bound_ms, opt)
+        simple = max(min(tab.fixed.values()) + tab.area_min_ms() / cm.cluster.num_gpus,
+                     float(tab.critical_ms().max()))
+        above += r.bound_ms > simple * (1 + 1e-3)
+    assert above >= 5
+
+
+def test_memory_a_slow_sequence_leaves_idle_is_not_counted():
+    """Pareto-1.1 documents on 1024 GPUs (8,192 per step) fit one micro-batch's memory, but only if
+    the groups of 64 GPUs running the 160-196K-token documents were also filled with short ones,
+    for which they have no time left: one micro-batch is proven slower than two."""
+    from megatron_flexsp.planner.bound import step_bound
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from tests.unit.test_packing import _batch, _paper_cluster
+
+    cm = _paper_cluster(1024)
+    tab = Tables(_batch("pareto-1.1", 8192, cm), cm)
+    assert min_micro_batches(tab) == 1
+    f = min(tab.fixed.values())
+    crit = float(tab.critical_ms().max())
+    two = max(2 * f + tab.area_min_ms() / cm.cluster.num_gpus, crit + f)  # no 2-micro-batch plan is faster
+    assert step_bound(tab, 1, target_ms=1.05 * two, t1_lo=crit).bound_ms >= two
