@@ -236,8 +236,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    finish, the cheapest size that finishes them within it. The best of these, and one with
     #    memory spread evenly over as many micro-batches as the plain packing needed, then empty
     #    their shortest micro-batches into the others' free memory
-    #    (a third of the search's time at most, so the other families always get the rest)
-    own = deadline.capped(time.perf_counter() + deadline.left() / 3)
+    #    (a quarter of the search's time at most, so the other families always get the rest)
+    own = deadline.capped(time.perf_counter() + deadline.left() / 4)
     packed = []
     for level in [math.inf] + level_grid(crit, 3 * crit, 4):
         for bin_size in bin_sizes(tab)[:2]:
@@ -257,16 +257,18 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
     lo = f_min + area / (n_gpus * (1.4 * m_min + 2))
     hi = max(crit, f_min + area / (n_gpus * m_min)) * 1.25
-    # 1. shelves: each micro-batch at its own level, by both scores (half the time left at most)
+    # 1. shelves: each micro-batch at its own level, by both scores (a third of the time left)
     shelf = ShelfPlanner(packer)
-    own = deadline.capped(time.perf_counter() + deadline.left() / 2)
+    own = deadline.capped(time.perf_counter() + deadline.left() / 3)
     for score in SCORES:
         keep(shelf.layout(items, level_grid(lo, hi, grid), score, own), "shelves")
-    # 2. common level: every micro-batch at one of the base levels (then refined around the best)
+    # 2. common level: every micro-batch at one of the base levels (then refined around the best;
+    #    half the time left)
     tried: dict[float, float] = {}
     cap_mbs = 4 * m_min + 8
+    own = deadline.capped(time.perf_counter() + deadline.left() / 2)
     for level in level_grid(lo, hi, grid):
-        if deadline.expired():
+        if own.expired():
             break
         layout = common_level(packer, items, level, cap_mbs)
         tried[level] = tab.step_ms(layout) if layout is not None else math.inf
@@ -276,15 +278,17 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         k = min(range(len(levels)), key=lambda j: tried[levels[j]])
         a, b = levels[max(k - 1, 0)], levels[min(k + 1, len(levels) - 1)]
         for level in level_grid(a, b, 6)[1:-1]:
-            if deadline.expired():
+            if own.expired():
                 break
             keep(common_level(packer, items, level, cap_mbs), "level")
     # 3. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
     #    rest split at its memory minimum (one more when that does not pack); the levels are tried
-    #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound)
+    #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound);
+    #    two thirds of the time left, the rest for the balanced split
+    own = deadline.capped(time.perf_counter() + deadline.left() * 2 / 3)
     firsts = []
     for t1 in first_levels(packer, items, crit, max(crit, 2 * (f_min + area / (n_gpus * m_min)))):
-        if deadline.expired():
+        if own.expired():
             break
         first, left = packer.stuff(items, t1)
         if not first or not len(left):
@@ -293,12 +297,12 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         estimate = tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
         firsts.append((estimate, t1, first, left, m_rest))
     for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
-        if deadline.expired():
+        if own.expired():
             break
         if estimate >= best:
             continue
         for m in (m_rest, m_rest + 1):
-            rest = split_pack(packer, left, m, deadline)
+            rest = split_pack(packer, left, m, own)
             if rest is not None:
                 keep([first] + rest, "stuffed+split")
                 break

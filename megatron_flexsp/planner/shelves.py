@@ -38,6 +38,9 @@ from megatron_flexsp.planner.level import LevelPacker
 
 Layout = list[list[Group]]
 SCORES = ("value", "estimate")
+#: Past the deadline, a layout is finished at its last level only if that takes at most this many
+#: more micro-batches (one stuffing each); else :meth:`ShelfPlanner.layout` gives up.
+FINISH_MAX = 16
 
 
 class ShelfPlanner:
@@ -84,7 +87,9 @@ class ShelfPlanner:
 
     def layout(self, items: np.ndarray, bases: list[float], score: str, deadline) -> Layout | None:
         """Shelves of ``items`` over the base levels ``bases`` (ms) with ``score`` (one of
-        :data:`SCORES`); None when ``deadline`` passes first. The layout's groups are its own."""
+        :data:`SCORES`). When ``deadline`` passes first, the rest is stuffed at the last level
+        chosen (None if that needs over :data:`FINISH_MAX` micro-batches). The layout's groups are
+        its own."""
         if score not in SCORES:
             raise ValueError(f"score={score!r} must be one of {SCORES}")
         tab, p = self.tab, self.packer
@@ -93,8 +98,8 @@ class ShelfPlanner:
         last = None
         shelves: list[list[Group]] = []
         while len(left):
-            if deadline.expired():
-                return None
+            if deadline.expired():  # finish at the last level, one stuffing per micro-batch
+                return self._finish(shelves, left, last if last is not None else min(bases))
             if int(tab.lens[left].sum()) <= self.mb_tokens:
                 found = p.min_level(left, rel_tol=self.last_tol)
                 if found is not None:
@@ -121,6 +126,22 @@ class ShelfPlanner:
             path += (last,)
             shelves.append(groups)
         return [[tab.clone(g) for g in mb] for mb in shelves]
+
+    def _finish(self, shelves: list[list[Group]], left: np.ndarray, level: float) -> Layout | None:
+        """``shelves`` completed by stuffing ``left`` at ``level`` (raised to its hardest sequence's
+        fastest finish); None when memory needs more than :data:`FINISH_MAX` micro-batches for it
+        (or stuffing more than twice that)."""
+        p = self.packer
+        if math.ceil(int(self.tab.lens[left].sum()) / self.mb_tokens) > FINISH_MAX:
+            return None
+        for _ in range(2 * FINISH_MAX):  # stuffing may need more than the memory minimum
+            if not len(left):
+                return [[self.tab.clone(g) for g in mb] for mb in shelves]
+            groups, left = p.stuff(left, max(level, float(p.critical[left].max())))
+            if not groups:
+                return None
+            shelves.append(groups)
+        return None
 
     def _estimate(self, rest: np.ndarray) -> float:
         """Lower estimate (ms) of the micro-batches ``rest`` needs."""

@@ -40,7 +40,9 @@ def test_shelf_layouts_are_valid_plans(corpus, batch, gpus):
         validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="shelves"))
     with pytest.raises(ValueError, match="score='fastest'"):
         shelves.layout(np.arange(len(tab.lens)), _grid(packer), "fastest", Deadline())
-    assert shelves.layout(np.arange(len(tab.lens)), _grid(packer), "value", Deadline(0.0)) is None
+    # past the deadline the rest is stuffed at the last level: still a valid plan
+    late = shelves.layout(np.arange(len(tab.lens)), _grid(packer), "value", Deadline(0.0))
+    validate_plan(to_step_plan(late, tab, strategy="flexsp", method="shelves"))
 
 
 def test_candidate_levels():
@@ -81,3 +83,10 @@ def test_shelves_stack_long_sequences_where_a_common_level_cannot():
     layout = shelves.layout(items, grid, "value", Deadline())
     first = layout[0]
     assert {g.size for g in first} == {32} and len(first) == 8
+
+
+def test_a_late_layout_needing_many_micro_batches_is_given_up():
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("lognormal-16k", 2048, cm), cm)  # about 90 micro-batches by memory
+    packer = LevelPacker(tab)
+    assert ShelfPlanner(packer).layout(np.arange(len(tab.lens)), _grid(packer), "value", Deadline(0.0)) is None
