@@ -192,23 +192,26 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    local = _phase(deadline, cfg, 0.55)
+    local = _phase(deadline, cfg, 0.6)
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
-    # the best layout of each family (at most four): empty short micro-batches into the others'
-    # free memory (groups first was drained in the search); then the local search on the two best
-    drained = set()
-    for k, (ms, name, layout) in enumerate(found):
-        if name not in drained and len(drained) < 4:
-            drained.add(name)
-            if name == "groups-first":
-                continue
-            info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=local, tries=8)
+    # the best layout of each of the three best families: empty short micro-batches into the
+    # others' free memory (groups first was drained in the search), each within an equal share of
+    # the time left; then the two best: every micro-batch re-packed at its smallest level where
+    # that is faster, and the local search
+    tops = [k for k, (_, name, _) in enumerate(found) if name not in {found[j][1] for j in range(k)}][:3]
+    for n_done, k in enumerate(tops):
+        ms, name, layout = found[k]
+        if name != "groups-first":
+            share = local.capped(time.perf_counter() + local.left() / (len(tops) - n_done))
+            info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=share, tries=8)
             found[k] = (tab.step_ms(layout), name, layout)
     found.sort(key=lambda c: c[0])
-    for ms, name, layout in found[:2]:
-        improve_layout(layout, tab, deadline=local)
+    for n_done, (ms, name, layout) in enumerate(found[:2]):
+        share = local.capped(time.perf_counter() + local.left() / (2 - n_done))
+        info.setdefault("repacked", {})[name] = packer.repack(layout, share)
+        improve_layout(layout, tab, deadline=share)
         candidates.append((tab.step_ms(layout), name, layout))
     candidates += found[2:3]
     info["search_time_s"] = deadline.elapsed() - info["homogeneous_time_s"]

@@ -194,6 +194,26 @@ class LevelPacker:
                 hi, found = mid, g
         return hi, found
 
+    def repack(self, layout: list[list[Group]], deadline, rel_tol: float = 2e-3) -> int:
+        """Re-pack micro-batches of ``layout`` in place at their smallest level (:meth:`min_level`),
+        those furthest above their own lower bound first, keeping a new packing only when it is
+        faster; stops at ``deadline``. Returns how many micro-batches got faster."""
+        order = sorted(range(len(layout)), key=lambda j: -self.tab.mb_ms(layout[j]) / max(
+            self.lower_bound(np.array([i for g in layout[j] for i in g.seqs], dtype=np.int64), 1), 1e-9))
+        better = 0
+        for j in order:
+            if deadline.expired():
+                break
+            items = np.array([i for g in layout[j] for i in g.seqs], dtype=np.int64)
+            before = self.tab.mb_ms(layout[j])
+            if before <= self.lower_bound(items, 1) * (1 + rel_tol):
+                continue
+            found = self.min_level(items, hi=before, rel_tol=rel_tol)
+            if found is not None and self.tab.mb_ms(found[1]) < before * (1 - 1e-9):
+                layout[j] = found[1]
+                better += 1
+        return better
+
     # ------------------------------------------------------------------ stuffing
     def stuff(self, items: np.ndarray, level: float) -> tuple[list[Group], np.ndarray]:
         """Fill one micro-batch at ``level`` with as much work as fits, hardest items first.
