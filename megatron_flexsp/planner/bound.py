@@ -64,6 +64,21 @@ class BoundResult:
     t1_range: tuple[float, float] = (0.0, math.inf)
 
 
+class _Slow:
+    """The singles of one (part, size) whose coefficients depend on the level: in the row
+    counting slow ones one per group (``row``) and in the part's memory rows; ``update`` changes
+    only the coefficients that differ from the last probe."""
+
+    def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray) -> None:
+        self.row, self.cols, self.work, self.tokens = row, cols.astype(np.int64), work, tokens
+        self.last = {"slow": np.zeros(len(cols)), "mem": tokens.copy(), "total": tokens.copy()}
+
+    def update(self, h: highspy.Highs, row: int, values: np.ndarray, key: str) -> None:
+        for k in np.flatnonzero(values != self.last[key]).tolist():
+            h.changeCoeff(row, int(self.cols[k]), float(values[k]))
+        self.last[key] = values
+
+
 class _StepLP:
     """The relaxation for a fixed ``m`` with ``k`` explicit micro-batches (the slowest) and the
     other ``m - k`` pooled. ``solve`` returns the least ``T_1 + ... + T_k + R`` (inf when infeasible)."""
@@ -136,7 +151,7 @@ class _StepLP:
         # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
         self.time_rows: list[dict[int, int]] = [{} for _ in parts]
         self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
-        self.slow_rows: list[dict[int, tuple[int, list]]] = [{} for _ in parts]
+        self.slow_rows: list[dict[int, _Slow]] = [{} for _ in parts]
         self.total_mem_rows: list[int] = []
         for p in parts:
             cnt = self.counts[p]
@@ -151,7 +166,7 @@ class _StepLP:
                 if sum(hv) > 1.0:
                     mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
                 if d in slow[p]:
-                    self.slow_rows[p][d] = (len(mdl.rows), slow[p][d])
+                    self.slow_rows[p][d] = _Slow(len(mdl.rows), *map(np.array, zip(*slow[p][d])))
                     mdl.rows.append((-math.inf, 0.0, [cnt[d]], [-1.0]))
             mdl.row(-math.inf, float(copies[p] * n_gpus), list(cnt.values()), [float(d) for d in sizes])
             self.total_mem_rows.append(len(mdl.rows))
@@ -162,15 +177,8 @@ class _StepLP:
         self.h = mdl.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
         self.h.setOptionValue("presolve", "off")  # re-solves start from the previous basis
         self.solves = 0
-        self._coef: dict[tuple[int, int], float] = {}
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
-
-    def _set(self, row: int, col: int, value: float, initial: float) -> None:
-        """Set a coefficient the probes change (``initial``: its value in the model as built)."""
-        if self._coef.get((row, col), initial) != value:
-            self.h.changeCoeff(row, col, value)
-            self._coef[row, col] = value
 
     def levels(self, box: Box, r_cap: float) -> list[float]:
         """Each part's level: the explicit ones' upper ends; the pooled ones within the last of
@@ -191,16 +199,17 @@ class _StepLP:
         for p, level in enumerate(self.levels(box, r_cap)):
             for d, row in self.time_rows[p].items():
                 h.changeCoeff(row, self.counts[p][d], -(level - tab.fixed[d]))
-            for d, (row, members) in self.slow_rows[p].items():
+            for d, sl in self.slow_rows[p].items():
                 room = level - tab.fixed[d]
-                for c, work, tokens in members:
-                    heavy = 2.0 * work > room
-                    self._set(row, c, 1.0 if heavy else 0.0, 0.0)
-                    # a slow single's group (one per group) has under half its time left: the
-                    # memory that time cannot fill, at the least work per token, is lost to the rest
-                    lost = max(0.0, tab.cap[d] - tokens - max(room - work, 0.0) / self.rate[d]) if heavy else 0.0
-                    self._set(self.mem_rows[p][d], c, tokens + lost, tokens)
-                    self._set(self.total_mem_rows[p], c, tokens + lost, tokens)
+                heavy = 2.0 * sl.work > room
+                # a slow single's group (one per group) has under half its time left: the memory
+                # that time cannot fill, at the least work per token, is lost to everything else
+                lost = np.where(heavy, np.maximum(0.0, tab.cap[d] - sl.tokens
+                                                  - np.maximum(room - sl.work, 0.0) / self.rate[d]), 0.0)
+                sl.update(h, sl.row, heavy.astype(np.float64), "slow")
+                mem = sl.tokens + lost
+                sl.update(h, self.mem_rows[p][d], mem, "mem")
+                sl.update(h, self.total_mem_rows[p], mem, "total")
             upper = (self._alone[p] <= level).astype(np.float64)
             h.changeColsBounds(len(self._cols[p]), self._cols[p], np.zeros(len(upper)), upper)
         for col, (a, b) in zip(self.T, box):

@@ -52,27 +52,26 @@ def make_buckets(lens: np.ndarray, idx: np.ndarray, *, num_buckets: int, a_attn:
     s1 = np.r_[0.0, np.cumsum(x)]
     s2 = np.r_[0.0, np.cumsum(x * x)]
 
-    def seg_cost(a, b):  # cost of bucket covering x[bounds[a]:bounds[b]], vectorised over a
-        lo_i, hi_i = bounds[a], bounds[b]
-        return (s2[hi_i] - s2[lo_i]) - x[lo_i] * (s1[hi_i] - s1[lo_i])
-
-    forced_pos = {int(np.searchsorted(starts, f)) for f in forced}
-    k_max = max(num_buckets, len(forced) + 1)
-    inf = np.inf
-    cost = np.full((k_max + 1, c + 1), inf)
+    # seg[a, b]: the under-priced work of a bucket covering x[bounds[a]:bounds[b]], for a < b, where
+    # it holds no forced start strictly inside (a bucket starts at every cut)
+    a_idx = np.arange(c)[:, None]
+    b_idx = np.arange(c + 1)[None, :]
+    lo_i, hi_i = bounds[:c][:, None], bounds[None, :]
+    seg = (s2[hi_i] - s2[lo_i]) - x[lo_i] * (s1[hi_i] - s1[lo_i])
+    forced_pos = np.array(sorted({int(np.searchsorted(starts, f)) for f in forced}), dtype=np.int64)
+    last_forced = np.zeros(c + 1, dtype=np.int64)  # the last forced start before each b (0: none)
+    if len(forced_pos):
+        k_f = np.searchsorted(forced_pos, np.arange(c + 1), side="left")
+        last_forced = np.where(k_f > 0, forced_pos[np.maximum(k_f - 1, 0)], 0)
+    seg = np.where((a_idx < b_idx) & (a_idx >= last_forced[None, :]), seg, np.inf)
+    k_max = max(num_buckets, len(forced_pos) + 1)
+    cost = np.full((k_max + 1, c + 1), np.inf)
     arg = np.zeros((k_max + 1, c + 1), dtype=np.int64)
     cost[0, 0] = 0.0
-    for k in range(1, k_max + 1):
-        for b in range(1, c + 1):
-            a = np.arange(0, b)
-            # a bucket [a, b) may not contain a forced start strictly inside it
-            if forced_pos:
-                inside = [p for p in forced_pos if p < b]
-                if inside:
-                    a = a[a >= max(inside)]
-            vals = cost[k - 1, a] + seg_cost(a, b)
-            j = int(np.argmin(vals))
-            cost[k, b], arg[k, b] = vals[j], a[j]
+    for k in range(1, k_max + 1):  # cost[k, b]: best k buckets covering x[:bounds[b]]
+        cand = cost[k - 1, :c][:, None] + seg
+        arg[k] = np.argmin(cand, axis=0)
+        cost[k] = cand[arg[k], np.arange(c + 1)]
     k_best = int(np.argmin(cost[:, c]))
     edges, b = [c], c
     for k in range(k_best, 0, -1):

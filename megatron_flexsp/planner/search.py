@@ -35,6 +35,9 @@ from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 
 Layout = list[list[Group]]
+#: A layout being built is given up once it is sure to end this much above the best so far (a
+#: little above: the best layouts are polished afterwards, which may reorder them).
+PRUNE = 0.02
 
 
 class Deadline:
@@ -62,11 +65,14 @@ class Deadline:
         return sub
 
 
-def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: int) -> Layout | None:
+def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: int,
+                 give_up_ms: float = math.inf) -> Layout | None:
     """Micro-batches stuffed one after another at ``max(level, hardest remaining fastest finish)``;
-    None when more than ``max_mbs`` would be needed."""
+    None when more than ``max_mbs`` would be needed, or once the micro-batches so far and a lower
+    bound on the rest reach ``give_up_ms``."""
     layout: Layout = []
     left = items
+    done = 0.0
     while len(left):
         if len(layout) >= max_mbs:
             return None
@@ -74,6 +80,9 @@ def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: 
         if not groups:
             return None
         layout.append(groups)
+        done += packer.tab.mb_ms(groups)
+        if done + packer.least_ms(left) >= give_up_ms:
+            return None
     return layout
 
 
@@ -103,17 +112,21 @@ def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -
     return [np.array(x, dtype=np.int64) for x in out if x]
 
 
-def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline) -> Layout | None:
+def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
+              give_up_ms: float = math.inf) -> Layout | None:
     """Each part as one micro-batch at its smallest level. A part that does not pack (its groups'
     memory fragments) keeps its hardest sequences up to a shrinking share of the micro-batch's tokens;
     what it sheds goes into extra micro-batches at the common level of the others. None when the
-    deadline passes."""
+    deadline passes, or once the parts packed so far and the others' lower bounds reach
+    ``give_up_ms``."""
     layout: Layout = []
     spill: list[np.ndarray] = []
     cap = packer.tab.cm.capacity_tokens * packer.n_gpus
     lens = packer.tab.lens
-    for part in parts:
-        if deadline.expired():
+    ahead = [packer.lower_bound(part, 1) for part in parts]
+    done = 0.0
+    for k, part in enumerate(parts):
+        if deadline.expired() or done + sum(ahead[k:]) >= give_up_ms:
             return None
         found = packer.min_level(part, rel_tol=1e-2)
         if found is None:
@@ -128,6 +141,7 @@ def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline) 
             if found is None:
                 return None
         layout.append(found[1])
+        done += packer.tab.mb_ms(found[1])
     if spill:
         level = float(np.median([packer.tab.mb_ms(mb) for mb in layout])) if layout else 0.0
         extra = common_level(packer, np.concatenate(spill), level, 4 * len(parts) + 4)
@@ -137,10 +151,11 @@ def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline) 
     return layout
 
 
-def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline) -> Layout | None:
+def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline,
+               give_up_ms: float = math.inf) -> Layout | None:
     """:func:`balanced_split` into ``m`` micro-batches, then :func:`pack_each`."""
     parts = balanced_split(packer.tab, items, m, packer.gpu_time_min)
-    return pack_each(packer, parts, deadline) if parts is not None else None
+    return pack_each(packer, parts, deadline, give_up_ms) if parts is not None else None
 
 
 def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, around: int = 0,
@@ -161,7 +176,7 @@ def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, aroun
         if deadline.expired() or prefix_ms + m * packer.f_min + area >= upper_ms:
             seen[m] = (math.inf, None)
             return math.inf
-        layout = split_pack(packer, items, m, deadline)
+        layout = split_pack(packer, items, m, deadline, give_up_ms=upper_ms * (1 + PRUNE) - prefix_ms)
         seen[m] = (prefix_ms + tab.step_ms(layout) if layout is not None else math.inf, layout)
         return seen[m][0]
 
@@ -261,7 +276,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     shelf = ShelfPlanner(packer)
     own = deadline.capped(time.perf_counter() + deadline.left() / 3)
     for score in SCORES:
-        keep(shelf.layout(items, level_grid(lo, hi, grid), score, own), "shelves")
+        keep(shelf.layout(items, level_grid(lo, hi, grid), score, own, give_up_ms=best * (1 + PRUNE)), "shelves")
     # 2. common level: every micro-batch at one of the base levels (then refined around the best;
     #    half the time left)
     tried: dict[float, float] = {}
@@ -270,7 +285,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     for level in level_grid(lo, hi, grid):
         if own.expired():
             break
-        layout = common_level(packer, items, level, cap_mbs)
+        layout = common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE))
         tried[level] = tab.step_ms(layout) if layout is not None else math.inf
         keep(layout, "level")
     if tried and math.isfinite(min(tried.values())):  # refine around the best grid point
@@ -280,7 +295,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         for level in level_grid(a, b, 6)[1:-1]:
             if own.expired():
                 break
-            keep(common_level(packer, items, level, cap_mbs), "level")
+            keep(common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE)), "level")
     # 3. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
     #    rest split at its memory minimum (one more when that does not pack); the levels are tried
     #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound);
@@ -302,7 +317,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         if estimate >= best:
             continue
         for m in (m_rest, m_rest + 1):
-            rest = split_pack(packer, left, m, own)
+            rest = split_pack(packer, left, m, own, give_up_ms=best * (1 + PRUNE) - tab.mb_ms(first))
             if rest is not None:
                 keep([first] + rest, "stuffed+split")
                 break

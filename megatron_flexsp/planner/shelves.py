@@ -85,17 +85,20 @@ class ShelfPlanner:
             return levels[max(k - self.near, 0):k + self.near + 1]
         return levels
 
-    def layout(self, items: np.ndarray, bases: list[float], score: str, deadline) -> Layout | None:
+    def layout(self, items: np.ndarray, bases: list[float], score: str, deadline,
+               give_up_ms: float = math.inf) -> Layout | None:
         """Shelves of ``items`` over the base levels ``bases`` (ms) with ``score`` (one of
         :data:`SCORES`). When ``deadline`` passes first, the rest is stuffed at the last level
-        chosen (None if that needs over :data:`FINISH_MAX` micro-batches). The layout's groups are
-        its own."""
+        chosen (None if that needs over :data:`FINISH_MAX` micro-batches). None once the
+        micro-batches so far and a lower bound on the rest reach ``give_up_ms``. The layout's groups
+        are its own."""
         if score not in SCORES:
             raise ValueError(f"score={score!r} must be one of {SCORES}")
         tab, p = self.tab, self.packer
         left = np.asarray(items, dtype=np.int64)
         path: tuple = ()
         last = None
+        done = 0.0
         shelves: list[list[Group]] = []
         while len(left):
             if deadline.expired():  # finish at the last level, one stuffing per micro-batch
@@ -117,7 +120,7 @@ class ShelfPlanner:
                 if score == "value":
                     rank = -float(self.value[left].sum() - self.value[rest].sum()) / ms
                 else:
-                    rank = ms + self._estimate(rest)
+                    rank = ms + p.least_ms(rest)
                 if best is None or rank < best[0]:
                     best = (rank, level, groups, rest)
             if best is None:
@@ -125,6 +128,9 @@ class ShelfPlanner:
             _, last, groups, left = best
             path += (last,)
             shelves.append(groups)
+            done += tab.mb_ms(groups)
+            if done + p.least_ms(left) >= give_up_ms:
+                return None
         return [[tab.clone(g) for g in mb] for mb in shelves]
 
     def _finish(self, shelves: list[list[Group]], left: np.ndarray, level: float) -> Layout | None:
@@ -143,11 +149,3 @@ class ShelfPlanner:
             shelves.append(groups)
         return None
 
-    def _estimate(self, rest: np.ndarray) -> float:
-        """Lower estimate (ms) of the micro-batches ``rest`` needs."""
-        if not len(rest):
-            return 0.0
-        p = self.packer
-        m = math.ceil(int(self.tab.lens[rest].sum()) / self.mb_tokens)
-        return max(m * self.f_min + float(p.gpu_time_min[rest].sum()) / self.n_gpus,
-                   float(p.critical[rest].max()) + (m - 1) * self.f_min)
