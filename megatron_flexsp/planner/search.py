@@ -1,25 +1,31 @@
-"""The fast step search: micro-batches from common levels and a balanced split, in polynomial time.
+"""The fast step search: families of whole-step layouts, each in polynomial time.
 
-Four families of candidate layouts; the last three are built from the one-micro-batch packing of
-:class:`~megatron_flexsp.planner.level.LevelPacker` (nothing branches per micro-batch):
+Five families of candidate layouts, in this order; all but the first are built from the
+one-micro-batch packing of :class:`~megatron_flexsp.planner.level.LevelPacker` (nothing branches
+per micro-batch):
 
 * **groups first** (:mod:`planner.groups_first`): sequences packed into groups by memory, groups
   into micro-batches by time; strong when memory sets the micro-batch count.
-
+* **shelves** (:mod:`planner.shelves`): micro-batches stuffed one after another, each at a level
+  chosen for it (the base levels, the hardest sequences' finish times, a grid above), by two
+  scores; strong where a few long sequences want slower, denser micro-batches of their own.
 * **common level** ``T``: micro-batches are stuffed one after another, hardest sequences first, each
   at the level ``max(T, fastest finish of its hardest remaining sequence)``; ``T`` runs over a
   geometric grid and is then refined around the best point. In good plans every micro-batch but
   the last has about the same makespan, which is what one common level gives.
+* **stuffed first, split rest**: the first micro-batch stuffed at a level ``T1`` from a small grid
+  above the longest sequence's fastest finish, the rest split as below into ``m - 1``.
 * **balanced split** into ``m`` micro-batches: sequences heaviest first (least GPU-time over the sizes
   that hold them) to the lightest micro-batch with token room, then each micro-batch packed at its
   smallest level (bisection). This mixes long and short sequences in every micro-batch, so memory
   and time fill together when memory sets the micro-batch count.
-* **stuffed first, split rest**: the first micro-batch stuffed at a level ``T1`` from a small grid
-  above the longest sequence's fastest finish, the rest split as above into ``m - 1``.
 
-Costs: a common level is O(n log n) per level, a split O(n log m) plus one bisection (about 15
-packings) per micro-batch; levels are searched on a fixed grid, so the total is polynomial in
-sequences, micro-batches and group sizes. Every loop checks the :class:`Deadline`.
+Each family gets a share of the time left (a quarter, a third, half, two thirds, the rest), and a
+layout being built is given up once the micro-batches made and a lower bound on the rest are
+:data:`PRUNE` above the best layout so far. Costs: a common level is O(n log n) per level, a shelf
+O(candidates x n log n), a split O(n log m) plus one bisection (about 15 packings) per micro-batch;
+levels are searched on fixed grids, so the total is polynomial in sequences, micro-batches and group
+sizes. Every loop checks the :class:`Deadline`.
 """
 
 from __future__ import annotations

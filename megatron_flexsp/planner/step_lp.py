@@ -1,0 +1,248 @@
+"""The linear relaxation behind the LP bound (:mod:`planner.bound`): one LP for a micro-batch count.
+
+For plans with ``m`` micro-batches, the ``k`` slowest explicit (makespans ``T_1 >= ... >= T_k``
+within a *box* of intervals) and the other ``m - k`` pooled (makespans summing to ``R``), the LP
+below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` bounds their step:
+
+* each explicit micro-batch ``p``, per group size ``d``: a continuous group count ``n_pd`` with
+  the work of the sequences put there within ``n_pd (b_p - f_d)``, their tokens within
+  ``n_pd d C``, sequences holding more than half a group's memory one per group, sequences whose
+  work is over half of ``b_p - f_d`` one per group (two would not finish within ``b_p``), the memory
+  such a slow sequence's group has no time left to fill counted as used, a whole group per placed
+  sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence (or
+  bucket) may use size ``d`` there only if it fits its memory and finishes within ``b_p``, and an
+  individual sequence's own time is within ``T_p``;
+* the pooled micro-batches: the same per-size rows at their level (within ``b_k`` and within ``R``'s
+  cap less the other pooled micro-batches' fixed costs), GPU-time within ``N (R - (m-k) f_min)``,
+  tokens within ``(m-k) N C``, and each individual sequence's own time within ``R``.
+
+Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
+reality, so still a relaxation). The LP is built once per count; a probe changes only the
+coefficients that depend on the box and re-solves from the previous basis.
+"""
+
+from __future__ import annotations
+
+import math
+
+import highspy
+import numpy as np
+
+from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.layout import Tables
+from megatron_flexsp.planner.milp import _Model
+
+Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
+
+
+class SolverTrouble(RuntimeError):
+    """HiGHS ended an LP of the bound with a status that proves neither optimality nor infeasibility."""
+
+
+class _Slow:
+    """The singles of one (part, size) whose coefficients depend on the level: in the row
+    counting slow ones one per group (``row``) and in the part's memory rows; ``update`` changes
+    only the coefficients that differ from the last probe."""
+
+    def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray) -> None:
+        self.row, self.cols, self.work, self.tokens = row, cols.astype(np.int64), work, tokens
+        self.last = {"slow": np.zeros(len(cols)), "mem": tokens.copy(), "total": tokens.copy()}
+
+    def update(self, h: highspy.Highs, row: int, values: np.ndarray, key: str) -> None:
+        for k in np.flatnonzero(values != self.last[key]).tolist():
+            h.changeCoeff(row, int(self.cols[k]), float(values[k]))
+        self.last[key] = values
+
+
+class _StepLP:
+    """The relaxation for a fixed ``m`` with ``k`` explicit micro-batches (the slowest) and the
+    other ``m - k`` pooled. ``solve`` returns the least ``T_1 + ... + T_k + R`` (inf when infeasible)."""
+
+    def __init__(self, tab: Tables, m: int, units: list[tuple[np.ndarray, bool]], k: int = 1) -> None:
+        cm = tab.cm
+        self.tab, self.m = tab, m
+        self.k = k = max(1, min(k, m))
+        self.pooled = m - k
+        n_gpus, sizes = cm.cluster.num_gpus, tab.sizes
+        self.f_min = f = min(tab.fixed.values())
+        mdl = _Model()
+        self.T = [mdl.col(0.0, math.inf, 1.0) for _ in range(k)]
+        self.R = mdl.col(self.pooled * f, math.inf, 1.0) if self.pooled else None
+        copies = [1] * k + ([self.pooled] if self.pooled else [])
+        parts = range(len(copies))
+        self.counts = [{d: mdl.col(0.0, float(c * (n_gpus // d))) for d in sizes} for c in copies]
+        # per part and size: time idx/val, mem idx/val, heavy idx/val (a lower bound on the number
+        # of sequences over half a group's memory that the column places); singles' (column, work)
+        per = [{d: ([], [], [], [], [], []) for d in sizes} for _ in parts]
+        slow: list[dict[int, list[tuple[int, float]]]] = [{} for _ in parts]
+        alone: list[dict[int, float]] = [{} for _ in parts]  # column -> its finish alone (level filter)
+        # N T_p >= N f_min + sum over its groups of d (f_d - f_min + work); pooled: with R, (m-k) f_min
+        area = [([c] + [self.counts[p][d] for d in sizes], [-float(n_gpus)] + [d * (tab.fixed[d] - f) for d in sizes])
+                for p, c in enumerate(self.T + ([self.R] if self.pooled else []))]
+        mem = [([], []) for _ in parts]
+        # least work per token of anything on each size (a bucket at its shortest member's rate)
+        self.rate: dict[int, float] = {}
+        for members, _ in units:
+            lo = int(tab.lens[members].min())
+            for d in sizes:
+                if int(tab.lens[members].max()) <= tab.cap[d]:
+                    r = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo
+                    self.rate[d] = min(self.rate.get(d, math.inf), r)
+        for members, single in units:
+            tokens = float(tab.lens[members].sum())
+            longest = int(tab.lens[members].max())
+            lo = int(tab.lens[members].min())
+            own: list[list[tuple[int, float]]] = [[] for _ in parts]
+            for d in sizes:
+                if longest > tab.cap[d]:
+                    continue
+                if single:
+                    t_alone = t = float(tab.time[d][members[0]])
+                else:  # fluid bucket at its shortest member's rate
+                    t_alone = float(cm.seq_time_ms(np.array([lo]), d)[0])
+                    t = t_alone / lo * tokens
+                for p in parts:
+                    c = mdl.col(0.0, 1.0)
+                    ti, tv, mi, mv, hi, hv = per[p][d]
+                    ti.append(c), tv.append(t), mi.append(c), mv.append(tokens)
+                    if lo * 2 > tab.cap[d]:  # every member needs a group of its own here
+                        hi.append(c), hv.append(1.0 if single else tokens / longest)
+                    if single:  # a sequence placed there needs at least one whole group
+                        mdl.row(-math.inf, 0.0, [c, self.counts[p][d]], [1.0, -1.0])
+                        slow[p].setdefault(d, []).append((c, t, tokens))
+                    alone[p][c] = t_alone + tab.fixed[d]
+                    area[p][0].append(c), area[p][1].append(d * t)
+                    mem[p][0].append(c), mem[p][1].append(tokens)
+                    own[p].append((c, t + tab.fixed[d]))
+            if not own[0]:
+                raise ValueError(f"sequence of {longest} tokens fits no group "
+                                 f"(largest holds {max(tab.cap.values())})")
+            mdl.row(1.0, 1.0, [c for o in own for c, _ in o], [1.0] * sum(len(o) for o in own))
+            if single:  # its finish alone within its micro-batch's makespan (or within R)
+                for p, whole in zip(parts, self.T + [self.R]):
+                    mdl.row(-math.inf, 0.0, [c for c, _ in own[p]] + [whole], [tt for _, tt in own[p]] + [-1.0])
+        # per size: work within groups x level (coefficient set per probe), tokens within memory,
+        # sequences over half a group's memory one per group; and singles whose work is over half
+        # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
+        self.time_rows: list[dict[int, int]] = [{} for _ in parts]
+        self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
+        self.slow_rows: list[dict[int, _Slow]] = [{} for _ in parts]
+        self.total_mem_rows: list[int] = []
+        for p in parts:
+            cnt = self.counts[p]
+            for d in sizes:
+                ti, tv, mi, mv, hi, hv = per[p][d]
+                if not ti:
+                    continue
+                self.time_rows[p][d] = len(mdl.rows)
+                mdl.row(-math.inf, 0.0, ti + [cnt[d]], tv + [0.0])
+                self.mem_rows[p][d] = len(mdl.rows)
+                mdl.row(-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])])
+                if sum(hv) > 1.0:
+                    mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
+                if d in slow[p]:
+                    self.slow_rows[p][d] = _Slow(len(mdl.rows), *map(np.array, zip(*slow[p][d])))
+                    mdl.rows.append((-math.inf, 0.0, [cnt[d]], [-1.0]))
+            mdl.row(-math.inf, float(copies[p] * n_gpus), list(cnt.values()), [float(d) for d in sizes])
+            self.total_mem_rows.append(len(mdl.rows))
+            mdl.row(-math.inf, float(copies[p] * n_gpus * cm.capacity_tokens), *mem[p])
+            mdl.row(-math.inf, -float(n_gpus) * copies[p] * f, *area[p])
+        for p in range(k - 1):  # sorted by makespan
+            mdl.row(0.0, math.inf, [self.T[p], self.T[p + 1]], [1.0, -1.0])
+        self.h = mdl.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
+        self.h.setOptionValue("presolve", "off")  # re-solves start from the previous basis
+        self.solves = 0
+        self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
+        self._alone = [np.array(list(a.values())) for a in alone]
+
+    def levels(self, box: Box, r_cap: float) -> list[float]:
+        """Each part's level: the explicit ones' upper ends; the pooled ones within the last of
+        them and within ``r_cap`` less the other pooled micro-batches' fixed costs."""
+        out = [b for _, b in box]
+        if self.pooled:
+            out.append(max(min(box[-1][1], r_cap - (self.pooled - 1) * self.f_min), 0.0))
+        return out
+
+    def solve(self, box: Box, r_cap: float) -> float:
+        """Least ``T_1 + ... + T_k + R`` (ms) of relaxed plans with ``T_p`` within ``box`` whose
+        pooled micro-batches sum to ``R <= r_cap`` (inf when there is none)."""
+        h, tab = self.h, self.tab
+        r_lo = self.pooled * self.f_min
+        r_hi = min(self.pooled * box[-1][1], r_cap)
+        if self.pooled and r_hi < r_lo:
+            return math.inf
+        for p, level in enumerate(self.levels(box, r_cap)):
+            for d, row in self.time_rows[p].items():
+                h.changeCoeff(row, self.counts[p][d], -(level - tab.fixed[d]))
+            for d, sl in self.slow_rows[p].items():
+                room = level - tab.fixed[d]
+                heavy = 2.0 * sl.work > room
+                # a slow single's group (one per group) has under half its time left: the memory
+                # that time cannot fill, at the least work per token, is lost to everything else
+                lost = np.where(heavy, np.maximum(0.0, tab.cap[d] - sl.tokens
+                                                  - np.maximum(room - sl.work, 0.0) / self.rate[d]), 0.0)
+                sl.update(h, sl.row, heavy.astype(np.float64), "slow")
+                mem = sl.tokens + lost
+                sl.update(h, self.mem_rows[p][d], mem, "mem")
+                sl.update(h, self.total_mem_rows[p], mem, "total")
+            upper = (self._alone[p] <= level).astype(np.float64)
+            h.changeColsBounds(len(self._cols[p]), self._cols[p], np.zeros(len(upper)), upper)
+        for col, (a, b) in zip(self.T, box):
+            h.changeColBounds(col, a, b)
+        if self.pooled:
+            h.changeColBounds(self.R, r_lo, r_hi)
+        h.run()
+        self.solves += 1
+        status = h.getModelStatus()
+        if status == highspy.HighsModelStatus.kOptimal:
+            return float(h.getInfo().objective_function_value)
+        if status == highspy.HighsModelStatus.kInfeasible:
+            return math.inf
+        # anything else (a limit, numerical trouble, unboundedness) proves nothing: never read it
+        # as "infeasible", which would raise the bound without proof
+        raise SolverTrouble(f"LP bound: HiGHS returned {h.modelStatusToString(status)!r} "
+                            f"(m={self.m}, box={[(round(a, 1), round(b, 1)) for a, b in box]}, "
+                            f"R cap={r_cap:.1f} ms)")
+
+    def least_step(self, box: Box, r_cap: float, rel_tol: float, deadline=None) -> float:
+        """Valid lower bound on the step time of plans with makespans within ``box`` and
+        ``R <= r_cap`` (``sum a_p + r_cap`` when there is none): plans with ``R <= r`` take at least
+        the LP value ``g(r)``, the others at least ``sum a_p + r``; bisection on ``r`` for the
+        largest ``min(g(r), sum a_p + r)``. Stopping early (``deadline``) returns what was proven."""
+        base = sum(a for a, _ in box)
+        if not self.pooled:
+            return self.solve(box, 0.0)
+        best = min(self.solve(box, r_cap), base + r_cap)
+        # a cap below r0 is the only way to lower the pooled level below b_k; plans with R <= r
+        # are bounded by g(r), the others by base + r <= base + r0: nothing to gain above g
+        if best >= base + box[-1][1] + (self.pooled - 1) * self.f_min:
+            return best
+        lo, hi = self.pooled * self.f_min, r_cap
+        while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
+            mid = 0.5 * (lo + hi)
+            g = self.solve(box, mid)
+            best = max(best, min(g, base + mid))
+            if g > base + mid:
+                lo = mid
+            else:
+                hi = mid
+        return best
+
+
+def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:
+    """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
+    the others as length buckets (cut at every size's memory capacity)."""
+    order = np.argsort(-tab.critical_ms(), kind="stable")
+    singles = [int(i) for i in order[:max_single]]
+    rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
+    cm = tab.cm
+    buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
+                           a_lin=cm.coeffs.a_lin_ms_per_token,
+                           cuts=_heavy_cuts(tab))
+    return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+def _heavy_cuts(tab: Tables) -> tuple[int, ...]:
+    """Bucket boundaries: every size's memory capacity and half of it (a bucket of sequences over
+    half a group's memory then counts at least ``tokens / longest`` sequences needing a group each)."""
+    return tuple(sorted({int(tab.cap[d]) // k for d in tab.sizes for k in (1, 2)}))
