@@ -177,7 +177,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if dcp is not None:
         candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     info["homogeneous_time_s"] = deadline.elapsed()
-    slot = _slot_lp(tab, info)
+    slot = _slot_lp(tab, cfg, info)
     rounded = []
     if slot is not None:  # the slot LP's placement, rounded to one size per sequence and packed
         layout = pack_at_sizes(tab, slot.sizes)
@@ -228,9 +228,12 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         bound = max(bound, min(slot.bound_ms, best_ms))
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
+        last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.8))
+                           deadline=_phase(deadline, cfg, 0.8),
+                           count_floor=slot.by_count if slot is not None else None,
+                           beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
@@ -244,11 +247,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
 
 
-def _slot_lp(tab: Tables, info: dict) -> SlotLP | None:
-    """The slot bound's LP (:mod:`slot_bound`, tens of milliseconds), None when HiGHS fails it."""
+def _slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:
+    """The slot bound's LP (:mod:`slot_bound`, tens of milliseconds), with its value at each count
+    the LP bound searches and the one after; None when HiGHS fails it."""
     t0 = time.perf_counter()
+    m_min = H.min_micro_batches(tab)
     try:
-        slot = solve_slot_lp(tab)
+        slot = solve_slot_lp(tab, counts=tuple(range(m_min, m_min + cfg.max_extra_micro_batches + 2)))
     except SolverTrouble as exc:
         log.warning("%s; the slot bound and its rounded plan are left out", exc)
         return None

@@ -145,7 +145,8 @@ def _late(deadline) -> bool:
 
 def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
                   rel_tol: float = 0.002, deadline=None, max_explicit: int = 3,
-                  switch_after: int = 120) -> BoundResult:
+                  switch_after: int = 120, count_floor: dict[int, float] | None = None,
+                  beyond_floor: float = 0.0) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
@@ -155,7 +156,9 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     micro-batch (up to ``max_explicit``), within the slowest makespans still open and above the
     bound already proven. Plans with even more micro-batches are bounded by ``m f_min + GPU-time /
     N``, which grows with m. ``target_ms`` (the best plan) caps the result. Past ``deadline`` the
-    counts not reached get that simple bound, so the result stays valid.
+    counts not reached get that simple bound, so the result stays valid. ``count_floor``: bounds
+    already proven for plans of a given count (e.g. the slot bound's, :mod:`planner.slot_bound`),
+    ``beyond_floor``: one for every count past those searched; each raises what it covers.
     """
     m_min = min_micro_batches(tab)
     f_min = min(tab.fixed.values())
@@ -163,14 +166,16 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     crit = float(tab.critical_ms().max())
     units = bound_units(tab)
 
-    def simple(m: int) -> float:
+    floors = count_floor or {}
+
+    def simple(m: int) -> float:  # valid for plans with m or more micro-batches
         return max(m * f_min + area, crit + (m - 1) * f_min)
 
     def search(m: int, **kw) -> _CountSearch:
         return _CountSearch(tab, m, units, target_ms=target_ms, rel_tol=rel_tol, deadline=deadline, **kw)
 
     found: dict[int, _CountSearch] = {}
-    beyond = simple(m_min + max_extra + 1)
+    beyond = max(simple(m_min + max_extra + 1), beyond_floor)
     spent = 0  # solves of searches replaced by ones with more explicit micro-batches
     for m in range(m_min, m_min + max_extra + 1):
         if simple(m) >= target_ms:
@@ -180,7 +185,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
             beyond = simple(m)
             break
         try:
-            found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=simple(m))
+            found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=max(simple(m), floors.get(m, 0.0)))
         except SolverTrouble as exc:  # this count and all larger ones: the simple bound
             log.warning("%s; using the simple bound for %d or more micro-batches", exc, m)
             beyond = simple(m)

@@ -28,12 +28,12 @@ put on each), which :func:`~megatron_flexsp.planner.groups_first.pack_at_sizes` 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import highspy
 import numpy as np
 
-from megatron_flexsp.planner.bound import SolverTrouble
+from megatron_flexsp.planner.step_lp import SolverTrouble
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _Model
 
@@ -68,6 +68,15 @@ class SlotLP:
     bound_ms: float
     m: int
     sizes: np.ndarray
+    m_real: float = 1.0
+    by_count: dict[int, float] = field(default_factory=dict)
+
+    def at_least(self, m: int) -> float:
+        """Valid lower bound (ms) on plans with ``m`` or more micro-batches: the LP at ``m`` once
+        ``m`` is past its continuous optimum (the LP is convex in m), else its least value."""
+        if m >= self.m_real and m in self.by_count:
+            return self.by_count[m]
+        return self.bound_ms
 
 
 def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24) -> float:
@@ -78,8 +87,10 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
     return solve_slot_lp(tab, orders=orders, grid=grid, max_single=max_single).bound_ms
 
 
-def solve_slot_lp(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24) -> SlotLP:
-    """The LP of :func:`slot_bound`: its bound and its placement rounded to sizes (:class:`SlotLP`)."""
+def solve_slot_lp(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24,
+                  counts: tuple[int, ...] = ()) -> SlotLP:
+    """The LP of :func:`slot_bound`: its bound and its placement rounded to sizes (:class:`SlotLP`),
+    and its value at each micro-batch count of ``counts`` (``SlotLP.by_count``)."""
     if orders < 1:
         raise ValueError(f"orders={orders} must be >= 1")
     cm = tab.cm
@@ -150,7 +161,12 @@ def solve_slot_lp(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, m
         if got is not None and got[1] < best:
             best, at, x = got[1], m, np.asarray(h.getSolution().col_value)
     sizes = _round_sizes(tab, order, starts, [(u, d, float(x[c])) for u, d, c in placed])
-    return SlotLP(best if math.isfinite(best) else value, at, sizes)
+    by_count = {}
+    for m in counts:  # warm re-solves with the count fixed
+        h.changeColBounds(m_col, float(m), float(m))
+        got = _solve(h, m_col)
+        by_count[m] = got[1] if got is not None else math.inf  # infeasible: no such plan
+    return SlotLP(best if math.isfinite(best) else value, at, sizes, m_real, by_count)
 
 
 def _round_sizes(tab: Tables, order: np.ndarray, starts: np.ndarray,

@@ -80,6 +80,10 @@ class _StepLP:
         area = [([c] + [self.counts[p][d] for d in sizes], [-float(n_gpus)] + [d * (tab.fixed[d] - f) for d in sizes])
                 for p, c in enumerate(self.T + ([self.R] if self.pooled else []))]
         mem = [([], []) for _ in parts]
+        # the quadratic (attention) coefficient of a sequence's time on each size (ms per token^2)
+        s0 = 1024
+        quad = {d: float(cm.seq_time_ms(np.array([2 * s0]), d)[0] - 2 * cm.seq_time_ms(np.array([s0]), d)[0])
+                / (2.0 * s0 * s0) for d in sizes}
         # least work per token of anything on each size (a bucket at its shortest member's rate)
         self.rate: dict[int, float] = {}
         for members, _ in units:
@@ -93,6 +97,10 @@ class _StepLP:
             longest = int(tab.lens[members].max())
             lo = int(tab.lens[members].min())
             own: list[list[tuple[int, float]]] = [[] for _ in parts]
+            # a bucket's attention work above its shortest member's rate: sum s (s - lo) times the
+            # quadratic coefficient of each size, wherever the members go (``mass`` columns)
+            excess = 0.0 if single else float((tab.lens[members] * (tab.lens[members] - lo)).astype(np.float64).sum())
+            mass: list[int] = []
             for d in sizes:
                 if longest > tab.cap[d]:
                     continue
@@ -112,12 +120,20 @@ class _StepLP:
                         slow[p].setdefault(d, []).append((c, t, tokens))
                     alone[p][c] = t_alone + tab.fixed[d]
                     area[p][0].append(c), area[p][1].append(d * t)
+                    if excess > 0.0:  # at most (longest - lo) per token of the share placed there
+                        q = mdl.col(0.0, math.inf)
+                        mass.append(q)
+                        mdl.row(-math.inf, 0.0, [q, c], [1.0, -tokens * (longest - lo)])
+                        ti.append(q), tv.append(quad[d])
+                        area[p][0].append(q), area[p][1].append(d * quad[d])
                     mem[p][0].append(c), mem[p][1].append(tokens)
                     own[p].append((c, t + tab.fixed[d]))
             if not own[0]:
                 raise ValueError(f"sequence of {longest} tokens fits no group "
                                  f"(largest holds {max(tab.cap.values())})")
             mdl.row(1.0, 1.0, [c for o in own for c, _ in o], [1.0] * sum(len(o) for o in own))
+            if mass:
+                mdl.row(excess, excess, mass, [1.0] * len(mass))
             if single:  # its finish alone within its micro-batch's makespan (or within R)
                 for p, whole in zip(parts, self.T + [self.R]):
                     mdl.row(-math.inf, 0.0, [c for c, _ in own[p]] + [whole], [tt for _, tt in own[p]] + [-1.0])
@@ -194,6 +210,11 @@ class _StepLP:
         h.run()
         self.solves += 1
         status = h.getModelStatus()
+        if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+            h.clearSolver()  # a hot start may end 'Unknown' after coefficient changes: from scratch
+            h.run()
+            self.solves += 1
+            status = h.getModelStatus()
         if status == highspy.HighsModelStatus.kOptimal:
             return float(h.getInfo().objective_function_value)
         if status == highspy.HighsModelStatus.kInfeasible:

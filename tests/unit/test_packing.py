@@ -55,6 +55,25 @@ def test_slot_bound_is_below_the_optimum(seed):
         assert slot_bound(tab, orders=1, max_single=0) <= opt * (1 + 1e-6)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_slot_bound_per_count_is_below_each_counts_optimum(seed):
+    """With the count fixed the slot LP bounds plans of exactly that many micro-batches, and past
+    its optimum count every larger count too (the LP value is convex in the count)."""
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm, lens, _ = many_micro_batch_instance(seed)
+    tab = Tables(np.asarray(lens), cm)
+    m_min = min_micro_batches(tab)
+    counts = tuple(range(m_min, min(m_min + 3, len(lens)) + 1))
+    slot = solve_slot_lp(tab, counts=counts)
+    per = {m: brute_force_step_ms(tuple(int(x) for x in lens), cm, count=m) for m in range(1, len(lens) + 1)}
+    for m in counts:
+        assert slot.by_count[m] <= per[m] * (1 + 1e-6), (m, slot.by_count[m], per[m])
+        assert slot.at_least(m) <= min(per[k] for k in per if k >= m) * (1 + 1e-6)
+        assert slot.by_count[m] >= slot.bound_ms * (1 - 1e-9)  # convex in the count: least at slot.m
+
+
 def test_slot_bound_sees_memory_that_fluid_tokens_miss():
     """Three sequences of 210 tokens on 4 GPUs of 100: fluid memory fits them in two micro-batches
     (630 <= 800 tokens), but each needs all 4 GPUs alone (two do not fit 400), so three are needed;

@@ -25,8 +25,9 @@ def _set_partitions(items):
         yield [[first]] + part
 
 
-def brute_force_step_ms(lens, cm):
-    """Exact optimum over every micro-batch split, group layout and assignment (tiny inputs)."""
+def brute_force_step_ms(lens, cm, count: int | None = None):
+    """Exact optimum over every micro-batch split, group layout and assignment (tiny inputs);
+    with ``count``, over the splits into exactly that many micro-batches (inf if none fits)."""
     sizes = cm.sizes
     layouts = [c for r in range(1, cm.cluster.num_gpus + 1)
                for c in itertools.combinations_with_replacement(sizes, r)
@@ -51,8 +52,9 @@ def brute_force_step_ms(lens, cm):
                     best = min(best, span)
         return best
 
-    return min(sum(best_mb(tuple(sorted(b))) for b in part)
-               for part in _set_partitions(list(range(len(lens)))))
+    return min((sum(best_mb(tuple(sorted(b))) for b in part)
+                for part in _set_partitions(list(range(len(lens)))) if count is None or len(part) == count),
+               default=np.inf)
 
 
 def small_instance(seed: int):
