@@ -33,6 +33,7 @@ from megatron_flexsp.planner.layout import Tables, drain_micro_batches, improve_
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
 from megatron_flexsp.planner.groups_first import pack_at_sizes
+from megatron_flexsp.planner.polish import resplit_pairs
 from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
 from megatron_flexsp.utils.logging import get_logger
 
@@ -192,7 +193,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    local = _phase(deadline, cfg, 0.6)
+    local = _phase(deadline, cfg, 0.63)
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
@@ -200,19 +201,28 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     # others' free memory (groups first was drained in the search), each within an equal share of
     # the time left; then the two best: every micro-batch re-packed at its smallest level where
     # that is faster, and the local search
+    # (a third of the time left each: draining, re-packing with the local search, re-splitting)
+    start, span = time.perf_counter(), max(local.left(), 0.0)
     tops = [k for k, (_, name, _) in enumerate(found) if name not in {found[j][1] for j in range(k)}][:3]
+    drain_end = start + span / 3
     for n_done, k in enumerate(tops):
         ms, name, layout = found[k]
         if name != "groups-first":
-            share = local.capped(time.perf_counter() + local.left() / (len(tops) - n_done))
+            share = local.capped(time.perf_counter() + max(drain_end - time.perf_counter(), 0.0) / (len(tops) - n_done))
             info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=share, tries=8)
             found[k] = (tab.step_ms(layout), name, layout)
     found.sort(key=lambda c: c[0])
+    repack_end = start + 2 * span / 3
     for n_done, (ms, name, layout) in enumerate(found[:2]):
-        share = local.capped(time.perf_counter() + local.left() / (2 - n_done))
+        share = local.capped(time.perf_counter() + max(repack_end - time.perf_counter(), 0.0) / (2 - n_done))
         info.setdefault("repacked", {})[name] = packer.repack(layout, share)
         improve_layout(layout, tab, deadline=share)
         candidates.append((tab.step_ms(layout), name, layout))
+    # the best: its slowest micro-batches pooled with others and split again (the rest of the time)
+    k = min(range(len(candidates)), key=lambda j: candidates[j][0])
+    ms, name, layout = candidates[k]
+    info["resplit"] = resplit_pairs(layout, packer, local)
+    candidates[k] = (tab.step_ms(layout), name, layout)
     candidates += found[2:3]
     info["search_time_s"] = deadline.elapsed() - info["homogeneous_time_s"]
     if not candidates:
@@ -231,7 +241,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.8),
+                           deadline=_phase(deadline, cfg, 0.83),
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)

@@ -20,7 +20,7 @@ per micro-batch):
   smallest level (bisection). This mixes long and short sequences in every micro-batch, so memory
   and time fill together when memory sets the micro-batch count.
 
-Each family gets a share of the time left (a quarter, a third, half, two thirds, the rest), and a
+Each family gets a share of the time left (a quarter, a third, half, two thirds, half), and a
 layout being built is given up once the micro-batches made and a lower bound on the rest are
 :data:`PRUNE` above the best layout so far. Costs: a common level is O(n log n) per level, a shelf
 O(candidates x n log n), a split O(n log m) plus one bisection (about 15 packings) per micro-batch;
@@ -327,7 +327,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             if rest is not None:
                 keep([first] + rest, "stuffed+split")
                 break
-    # 4. balanced split over micro-batch counts
-    _, _, layout = best_split(packer, items, deadline, upper_ms=best)
+    # 4. balanced split over micro-batch counts (half the time left: the rest goes to polishing)
+    own = deadline.capped(time.perf_counter() + deadline.left() / 2)
+    _, _, layout = best_split(packer, items, own, upper_ms=best)
     keep(layout, "split")
     return out

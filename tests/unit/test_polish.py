@@ -1,0 +1,45 @@
+"""Polishing: a pair of micro-batches split again is a valid plan, never slower, and faster where
+the search left two micro-batches badly mixed."""
+
+import numpy as np
+
+from megatron_flexsp.plan import validate_plan
+from megatron_flexsp.planner.layout import Tables, to_step_plan
+from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.polish import resplit_pairs, split_two
+from megatron_flexsp.planner.search import Deadline, common_level
+from tests.unit.test_packing import _batch, _paper_cluster
+
+
+def test_resplit_keeps_a_valid_plan_and_never_slows_it():
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("github", 1024, cm), cm)
+    packer = LevelPacker(tab)
+    crit = float(packer.critical.max())
+    layout = common_level(packer, np.arange(len(tab.lens)), crit, 200)
+    before = tab.step_ms(layout)
+    better = resplit_pairs(layout, packer, Deadline(), slowest=3)
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(tab.lens)))
+    validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="polished"))
+    assert tab.step_ms(layout) <= before * (1 + 1e-12)
+    assert (better > 0) == (tab.step_ms(layout) < before * (1 - 1e-12))
+    assert resplit_pairs(layout, packer, Deadline(0.0)) == 0  # past the deadline: nothing
+
+
+def test_two_micro_batches_mixed_badly_are_split_well():
+    """Two sequences of 60K tokens, one in each of two micro-batches of short ones (4.3 s in all):
+    pooled and split, the long ones share a micro-batch on two groups of 32 GPUs and the short
+    ones fill the other (3.8 s)."""
+    cm = _paper_cluster(64)
+    rng = np.random.default_rng(0)
+    lens = np.array([60_000, 60_000] + rng.integers(200, 2000, size=300).tolist())
+    tab = Tables(lens, cm)
+    packer = LevelPacker(tab)
+    a = np.r_[0, np.arange(2, 152)]
+    b = np.r_[1, np.arange(152, 302)]
+    mixed = [packer.min_level(a)[1], packer.min_level(b)[1]]
+    upper = tab.step_ms(mixed)
+    found = split_two(packer, np.arange(len(lens)), upper, Deadline())
+    assert found is not None and found[0] < 0.92 * upper
+    firsts = [{i for g in mb for i in g.seqs} for mb in found[1]]
+    assert any({0, 1} <= s for s in firsts)
