@@ -8,15 +8,17 @@ Strategies (same harness, same cost model, same packing helpers):
 * ``megatron-dcp``: Megatron's dynamic-context-parallel greedy (as described for its dev branch);
 * ``flexsp``: anytime planning within ``PlannerConfig.time_budget_s``: the best homogeneous plan
   (never worse than it), the slot LP of :mod:`slot_bound` (a bound, and its placement rounded into a
-  plan), the polynomial step search of :mod:`search` and its local search, a valid lower bound
-  (:mod:`bound`, an LP relaxation searched over the slowest micro-batch's makespan), then with
+  plan), the polynomial step search of :mod:`search`, its polishing (:mod:`polish`), a valid lower
+  bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batches' makespans), then with
   ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
   plan on the time left: they improve it or prove it, and their dual bound tightens the gap.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import math
 import time
 from typing import Callable
@@ -114,7 +116,8 @@ def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
     t0 = time.perf_counter()
     tab = Tables(fix.lens[kept], cm)
     if strategy == "flexsp":
-        plan = _plan_flexsp(tab, cfg, deadline)
+        with _no_cyclic_gc():  # a full collection of a large host process costs 0.1-0.3 s of budget
+            plan = _plan_flexsp(tab, cfg, deadline)
     elif strategy in EXTERNAL_STRATEGIES:
         if strategy not in _REGISTERED:
             raise ValueError(f"strategy {strategy!r} calls code outside the planner: import "
@@ -168,7 +171,8 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
-    fast search and its local search, the LP bound, then the MILPs (``search="milp"``) on what is left, ending at 85% of the budget (assembling the plan follows)."""
+    fast search (to 45% of the budget), polishing (to 62%), the LP bound (to 81%), then the MILPs
+    (``search="milp"``) on what is left, ending at 86% of the budget (assembling the plan follows)."""
     info: dict = {}
     candidates = []
     homo = H.best_homogeneous(tab, tab.sizes)
@@ -193,7 +197,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    local = _phase(deadline, cfg, 0.63)
+    local = _phase(deadline, cfg, 0.62)
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
@@ -241,14 +245,14 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.83),
+                           deadline=_phase(deadline, cfg, 0.81),
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
-                                      _phase(deadline, cfg, 0.88)))
+                                      _phase(deadline, cfg, 0.86)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
@@ -269,6 +273,19 @@ def _slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:
         return None
     info.update(slot_bound_ms=slot.bound_ms, slot_m=slot.m, slot_time_s=time.perf_counter() - t0)
     return slot
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """The cyclic garbage collector paused (plans free their objects by reference counting):
+    within a process holding many objects, one full collection would take a tenth of the budget."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def _phase(deadline: Deadline, cfg: PlannerConfig, fraction: float) -> Deadline:
