@@ -31,11 +31,11 @@ from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
 from megatron_flexsp.planner.exact import milp_phase
-from megatron_flexsp.planner.layout import Tables, drain_micro_batches, improve_layout, to_step_plan
+from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
 from megatron_flexsp.planner.groups_first import pack_at_sizes
-from megatron_flexsp.planner.polish import resplit_pairs
+from megatron_flexsp.planner.polish import polish
 from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
 from megatron_flexsp.utils.logging import get_logger
 
@@ -171,7 +171,7 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
-    fast search (to 45% of the budget), polishing (to 62%), the LP bound (to 81%), then the MILPs
+    fast search (to 42% of the budget), polishing (to 62%), the LP bound (to 81%), then the MILPs
     (``search="milp"``) on what is left, ending at 86% of the budget (assembling the plan follows)."""
     info: dict = {}
     candidates = []
@@ -191,7 +191,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["search_family_s"] = {}
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
-                        deadline=_phase(deadline, cfg, 0.45), times=info["search_family_s"]) + rounded
+                        deadline=_phase(deadline, cfg, 0.42), times=info["search_family_s"]) + rounded
     found.sort(key=lambda c: c[0])
     families: dict[str, float] = {}
     for ms, name, _ in found:
@@ -201,33 +201,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
-    # the best layout of each of the three best families: empty short micro-batches into the
-    # others' free memory (groups first was drained in the search), each within an equal share of
-    # the time left; then the two best: every micro-batch re-packed at its smallest level where
-    # that is faster, and the local search
-    # (a third of the time left each: draining, re-packing with the local search, re-splitting)
-    start, span = time.perf_counter(), max(local.left(), 0.0)
-    tops = [k for k, (_, name, _) in enumerate(found) if name not in {found[j][1] for j in range(k)}][:3]
-    drain_end = start + span / 3
-    for n_done, k in enumerate(tops):
-        ms, name, layout = found[k]
-        if name != "groups-first":
-            share = local.capped(time.perf_counter() + max(drain_end - time.perf_counter(), 0.0) / (len(tops) - n_done))
-            info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=share, tries=8)
-            found[k] = (tab.step_ms(layout), name, layout)
-    found.sort(key=lambda c: c[0])
-    repack_end = start + 2 * span / 3
-    for n_done, (ms, name, layout) in enumerate(found[:2]):
-        share = local.capped(time.perf_counter() + max(repack_end - time.perf_counter(), 0.0) / (2 - n_done))
-        info.setdefault("repacked", {})[name] = packer.repack(layout, share)
-        improve_layout(layout, tab, deadline=share)
-        candidates.append((tab.step_ms(layout), name, layout))
-    # the best: its slowest micro-batches pooled with others and split again (the rest of the time)
-    k = min(range(len(candidates)), key=lambda j: candidates[j][0])
-    ms, name, layout = candidates[k]
-    info["resplit"] = resplit_pairs(layout, packer, local)
-    candidates[k] = (tab.step_ms(layout), name, layout)
-    candidates += found[2:3]
+    candidates += polish(found, packer, local, info)
     info["search_time_s"] = deadline.elapsed() - info["homogeneous_time_s"]
     if not candidates:
         greedy = H.greedy(tab)

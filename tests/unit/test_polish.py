@@ -43,3 +43,24 @@ def test_two_micro_batches_mixed_badly_are_split_well():
     assert found is not None and found[0] < 0.92 * upper
     firsts = [{i for g in mb for i in g.seqs} for mb in found[1]]
     assert any({0, 1} <= s for s in firsts)
+
+
+def test_tail_of_under_filled_micro_batches_merges_into_fewer():
+    """Short documents spread over four micro-batches a little over half full: merged into fewer
+    micro-batches (memory allows two), the step saves their fixed costs; never slower otherwise."""
+    from megatron_flexsp.planner.polish import merge_tail
+
+    cm = _paper_cluster(64)
+    rng = np.random.default_rng(1)
+    lens = rng.integers(200, 2000, size=600)
+    tab = Tables(lens, cm)
+    packer = LevelPacker(tab)
+    parts = np.array_split(np.arange(len(lens)), 4)
+    layout = [packer.min_level(p)[1] for p in parts]
+    before = tab.step_ms(layout)
+    removed = merge_tail(layout, packer, Deadline())
+    assert removed >= 1 and len(layout) == 4 - removed
+    assert tab.step_ms(layout) < before
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(lens)))
+    validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="merged"))
+    assert merge_tail(layout, packer, Deadline(0.0)) == 0
