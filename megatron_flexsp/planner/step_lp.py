@@ -210,11 +210,15 @@ class _StepLP:
         h.run()
         self.solves += 1
         status = h.getModelStatus()
-        if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-            h.clearSolver()  # a hot start may end 'Unknown' after coefficient changes: from scratch
+        for presolve in ("off", "on"):  # a hot start may end 'Unknown' after coefficient changes:
+            if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+                break  # then from scratch, then with presolve (which settles the rest seen)
+            h.setOptionValue("presolve", presolve)
+            h.clearSolver()
             h.run()
             self.solves += 1
             status = h.getModelStatus()
+        h.setOptionValue("presolve", "off")
         if status == highspy.HighsModelStatus.kOptimal:
             return float(h.getInfo().objective_function_value)
         if status == highspy.HighsModelStatus.kInfeasible:
