@@ -181,3 +181,22 @@ def test_memory_a_slow_sequence_leaves_idle_is_not_counted():
     crit = float(tab.critical_ms().max())
     two = max(2 * f + tab.area_min_ms() / cm.cluster.num_gpus, crit + f)  # no 2-micro-batch plan is faster
     assert step_bound(tab, 1, target_ms=1.05 * two, t1_lo=crit).bound_ms >= two
+
+
+@pytest.mark.parametrize("explicit", [1, 2, 3])
+def test_explicit_slowest_micro_batches_keep_every_plan(explicit):
+    """Two or three sequences that each fill the cluster's memory run one per micro-batch, all as
+    slow as each other: the searches with 1-3 explicit micro-batches stay below that optimum (a
+    box that left out the second slowest micro-batch's range would prove too much)."""
+    from megatron_flexsp.planner.bound import step_bound
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm = tiny_cost_model()
+    for lens in ([300, 300], [300, 290, 310]):
+        tab = Tables(np.asarray(lens), cm)
+        opt = brute_force_step_ms(tuple(lens), cm)
+        m = len(lens)
+        r = step_bound(tab, m, target_ms=1.5 * opt, t1_lo=float(tab.critical_ms().max()),
+                       max_solves=2000, explicit=explicit)
+        assert r.bound_ms <= opt * (1 + 1e-6), (lens, explicit, r.bound_ms, opt)
+        assert r.bound_ms >= 0.95 * opt  # and the explicit boxes prove most of it
