@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 
-
 from megatron_flexsp.planner.layout import Group, drain_micro_batches, improve_layout
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import level_grid, split_pack
@@ -99,8 +98,9 @@ def resplit_pairs(layout: Layout, packer: LevelPacker, deadline, slowest: int = 
 
 def merge_tail(layout: Layout, packer: LevelPacker, deadline, longest: int = 8) -> int:
     """Pool the ``t`` fastest micro-batches of ``layout`` and split them into ``t - 1`` when their
-    tokens fit and that is faster, for ``t`` from 2 (or the least count memory allows) up to
-    ``longest``, in place, until ``deadline``. Returns how many micro-batches were removed."""
+    tokens fit and that is faster, for ``t`` from 2 up to ``longest`` (those whose tokens need all
+    ``t`` skipped; back to 2 after each merge), in place, until ``deadline``. Returns how many
+    micro-batches were removed."""
     tab = packer.tab
     mb_tokens = tab.cm.capacity_tokens * packer.n_gpus
     removed = 0
@@ -115,8 +115,8 @@ def merge_tail(layout: Layout, packer: LevelPacker, deadline, longest: int = 8) 
         before = sum(tab.mb_ms(layout[j]) for j in tail)
         merged = split_pack(packer, pool, t - 1, deadline, give_up_ms=before)
         if merged is not None and len(merged) < t and tab.step_ms(merged) < before * (1 - 1e-9):
-            keep = [layout[j] for j in range(len(layout)) if j not in set(tail)]
-            layout[:] = keep + merged
+            merged_away = set(tail)
+            layout[:] = [layout[j] for j in range(len(layout)) if j not in merged_away] + merged
             removed += t - len(merged)
             t = 2
             continue
