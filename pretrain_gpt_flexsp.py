@@ -165,10 +165,26 @@ def main(argv: list[str]) -> int:
     try:
         pretrain(pretrain_cfg_container_from_args(args, None), datasets_provider,
                  ModelType.encoder_or_decoder, forward_step, model_provider=provider)
+    except SystemExit as stop:  # Megatron's exit-interval / exit-signal paths end with sys.exit
+        if not stop.code:
+            _close_process_groups()
+        raise
+    else:
+        _close_process_groups()
     finally:
         driver.close()
         patches.revert(active)
     return 0
+
+
+def _close_process_groups() -> None:
+    """Destroy every process group before the interpreter exits: gloo's worker threads left alive
+    into interpreter finalization can abort the process (SIGABRT, "terminate called without an
+    active exception") after a run that finished well."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
