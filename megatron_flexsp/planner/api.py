@@ -33,13 +33,18 @@ from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
 from megatron_flexsp.planner.exact import milp_phase
 from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
-from megatron_flexsp.planner.search import Deadline, search_step
+from megatron_flexsp.planner.search import Deadline, base_range, level_grid, search_step
 from megatron_flexsp.planner.groups_first import pack_at_sizes
+from megatron_flexsp.planner.guided import guided_candidates
 from megatron_flexsp.planner.polish import polish
 from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
+#: Relaxed placements of the LP bound rounded into plans (the lowest micro-batch counts still
+#: open); a rounded plan is polished when at most ``GUIDED_SLACK`` slower than the best found
+GUIDED_HINTS = 2
+GUIDED_SLACK = 0.05
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,8 +176,9 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
-    fast search (to 42% of the budget), polishing (to 62%), the LP bound (to 81%), then the MILPs
-    (``search="milp"``) on what is left, ending at 86% of the budget (assembling the plan follows)."""
+    fast search (to 42% of the budget), polishing (to 62%), the LP bound (to 79%), plans rounded
+    from its relaxation (to 83%), then the MILPs (``search="milp"``) on what is left, ending at 87%
+    of the budget (assembling the plan follows)."""
     info: dict = {}
     candidates = []
     homo = H.best_homogeneous(tab, tab.sizes)
@@ -219,20 +225,35 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.81),
+                           deadline=_phase(deadline, cfg, 0.79),
                            count_floor=slot.by_count if slot is not None else None,
-                           beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0)
+                           beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
+                           hints=GUIDED_HINTS)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
+        if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
+            candidates += _guided(tab, packer, lp.hints, best_ms, _phase(deadline, cfg, 0.83), info)
+            best_ms = min(c[0] for c in candidates)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
-                                      _phase(deadline, cfg, 0.86)))
+                                      _phase(deadline, cfg, 0.87)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
     info["time_budget_s"] = cfg.time_budget_s
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
+
+
+def _guided(tab: Tables, packer: LevelPacker, hints, upper_ms: float, deadline: Deadline,
+            info: dict) -> list[tuple[float, str, list]]:
+    """The plan rounded from the LP bound's relaxed placements and polished
+    (:func:`~planner.guided.guided_candidates`), when faster than ``upper_ms``."""
+    t0 = time.perf_counter()
+    lo, hi = base_range(packer, H.min_micro_batches(tab))
+    out = guided_candidates(packer, hints, level_grid(lo, hi, 8), deadline, upper_ms, slack=GUIDED_SLACK)
+    info.update(guided_ms=[round(c[0], 1) for c in out], guided_time_s=time.perf_counter() - t0)
+    return out
 
 
 def _slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:

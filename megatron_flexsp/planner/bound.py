@@ -20,7 +20,7 @@ import numpy as np
 
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
-from megatron_flexsp.planner.step_lp import Box, SolverTrouble, _StepLP, bound_units
+from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP, bound_units
 from megatron_flexsp.utils.logging import get_logger
 
 __all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
@@ -33,13 +33,15 @@ class BoundResult:
     """``bound_ms``: valid lower bound on the step time for plans with ``m`` micro-batches;
     ``lp_solves``: linear programs solved; ``intervals``: open boxes at the end; ``t1_range``: the
     slowest micro-batch's makespans (ms) those boxes span (a plan faster than the target has its
-    slowest micro-batch there)."""
+    slowest micro-batch there); ``hints``: the relaxed placements of the lowest counts still open,
+    lowest first."""
 
     m: int
     bound_ms: float
     lp_solves: int
     intervals: int
     t1_range: tuple[float, float] = (0.0, math.inf)
+    hints: tuple[Hint, ...] = ()
 
 
 def _children(box: Box, p: int) -> list[Box]:
@@ -68,6 +70,7 @@ class _CountSearch:
     def __init__(self, tab: Tables, m: int, units, *, target_ms: float, t1_lo: float, t1_hi: float,
                  rel_tol: float, explicit: int, floor: float = 0.0, deadline=None) -> None:
         self.lp = _StepLP(tab, m, units, k=explicit)
+        self.units = units
         self.m, self.k, self.target, self.rel_tol, self.floor = m, self.lp.k, target_ms, rel_tol, floor
         f = self.lp.f_min
         # the p-th slowest micro-batch of a plan faster than the target: p T_p + (m - p) f_min <= target
@@ -75,12 +78,14 @@ class _CountSearch:
         box = ((t1_lo, min(box[0][1], t1_hi)),) + box[1:]
         self.heap: list[tuple[float, int, Box]] = []
         self.made = 0
+        self._bases: dict[int, object] = {}  # an open box's LP basis, by its heap id
         if box[0][1] > t1_lo:
             self._push(box, deadline)
 
     def _push(self, box: Box, deadline) -> None:
         val = self.lp.least_step(box, self.target - sum(a for a, _ in box), self.rel_tol, deadline)
         if val < self.target:
+            self._bases[self.made] = self.lp.basis()
             heapq.heappush(self.heap, (val, self.made, box))
             self.made += 1
 
@@ -105,12 +110,22 @@ class _CountSearch:
         top = heapq.heappop(self.heap)
         bx = top[2]
         p = max(range(self.k), key=lambda q: bx[q][1] - bx[q][0])
+        basis = self._bases.pop(top[1])
         try:
             for child in _children(bx, p):
+                self.lp.start_from(basis)
                 self._push(child, deadline)
         except SolverTrouble:
+            self._bases[top[1]] = basis
             heapq.heappush(self.heap, top)  # its children may be missing: keep it whole
             raise
+
+    def hint(self) -> Hint | None:
+        """The relaxed placement in the lowest open box (one LP solve; None when none is open)."""
+        if not self.heap:
+            return None
+        box = self.heap[0][2]
+        return self.lp.hint(box, self.target - sum(a for a, _ in box), self.units)
 
     def t1_range(self) -> tuple[float, float]:
         """Slowest makespans (ms) the open boxes span: a plan faster than the target is there."""
@@ -146,7 +161,7 @@ def _late(deadline) -> bool:
 def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
                   rel_tol: float = 0.002, deadline=None, max_explicit: int = 3,
                   switch_after: int = 120, count_floor: dict[int, float] | None = None,
-                  beyond_floor: float = 0.0) -> BoundResult:
+                  beyond_floor: float = 0.0, hints: int = 0) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
@@ -159,6 +174,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     counts not reached get that simple bound, so the result stays valid. ``count_floor``: bounds
     already proven for plans of a given count (e.g. the slot bound's, :mod:`planner.slot_bound`),
     ``beyond_floor``: one for every count past those searched; each raises what it covers.
+    ``hints``: the relaxed placements of up to this many counts still open (one solve each, after
+    the deadline too), for :mod:`planner.guided`.
     """
     m_min = min_micro_batches(tab)
     f_min = min(tab.fixed.values())
@@ -194,7 +211,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         while found and not _late(deadline):
             m = min(found, key=lambda c: found[c].bound)
             cur = found[m]
-            if cur.bound >= min(beyond, target_ms * (1 - rel_tol)):
+            # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
+            if cur.bound >= target_ms * (1 - rel_tol) or (cur.bound >= beyond and not hints):
                 break
             used = sum(s.solves for s in found.values()) + spent
             if used >= max_solves:
@@ -211,6 +229,16 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
             cur.step(deadline)
     except SolverTrouble as exc:  # what the searches proved stays valid
         log.warning("%s; keeping the bounds proven so far", exc)
+    placed = []
+    for m in sorted((c for c in found if found[c].heap), key=lambda c: found[c].bound)[:hints]:
+        try:
+            hint = found[m].hint()
+        except SolverTrouble as exc:
+            log.warning("%s; no placement hint for %d micro-batches", exc, m)
+            continue
+        if hint is not None:
+            placed.append(hint)
     solves = sum(s.solves for s in found.values()) + spent
     best = min([s.bound for s in found.values()] + [beyond, target_ms])
-    return BoundResult(m_min + max_extra, best, solves, sum(len(s.heap) for s in found.values()))
+    return BoundResult(m_min + max_extra, best, solves, sum(len(s.heap) for s in found.values()),
+                       hints=tuple(placed))

@@ -147,23 +147,25 @@ class LevelPacker:
                 heapq.heappush(spare, (-(room - g.load_ms), g.uid, g))
         return groups
 
-    def min_level(self, items: np.ndarray, hi: float | None = None, rel_tol: float = 5e-3
-                  ) -> tuple[float, list[Group]] | None:
+    def min_level(self, items: np.ndarray, hi: float | None = None, rel_tol: float = 5e-3,
+                  deadline=None) -> tuple[float, list[Group]] | None:
         """Smallest level (bisection, relative tolerance) at which ``items`` pack; None if none does.
 
         Bisection with the balanced packing first; then a few probes below its result with the
         stuffing order, which fits lower levels when memory is tight. ``hi``: a level expected to
-        be feasible (speeds up the search; checked, not trusted)."""
+        be feasible (speeds up the search; checked, not trusted). Past ``deadline`` (if given) the
+        bisections stop at the lowest level packed so far (None if none was)."""
         if len(items) == 0:
             return 0.0, []
         if int(self.tab.lens[items].sum()) > self.n_gpus * self.tab.cm.capacity_tokens:
             return None  # more tokens than one micro-batch holds, at any level
         lo = self.lower_bound(items, 1)
-        fast = self._bisect(items, lo, hi, rel_tol, self._pack_fast)
-        if fast is not None and fast[0] <= lo * (1 + 4 * rel_tol):
-            return fast  # at the lower bound already: nothing to gain
+        fast = self._bisect(items, lo, hi, rel_tol, self._pack_fast, deadline=deadline)
+        if fast is not None and (fast[0] <= lo * (1 + 4 * rel_tol)
+                                 or (deadline is not None and deadline.expired())):
+            return fast  # at the lower bound already (or out of time): nothing to gain
         stuffed = self._bisect(items, lo, fast[0] if fast else hi, 4 * rel_tol, self._pack_stuffed,
-                               max_probes=4)
+                               max_probes=4, deadline=deadline)
         found = [f for f in (fast, stuffed) if f is not None]
         return min(found, key=lambda f: f[0]) if found else None
 
@@ -178,7 +180,8 @@ class LevelPacker:
         return None if len(left) else groups
 
     @staticmethod
-    def _bisect(items, lo: float, hi: float | None, rel_tol: float, pack, max_probes: int = 64):
+    def _bisect(items, lo: float, hi: float | None, rel_tol: float, pack, max_probes: int = 64,
+                deadline=None):
         best = pack(items, lo)
         if best is not None:
             return lo, best
@@ -186,13 +189,15 @@ class LevelPacker:
         found = pack(items, hi)
         grow = 0
         while found is None:  # grow the bracket by 1.2, 1.44, 1.73, ... (up to 2^9 in all)
-            if grow > 12:
+            if grow > 12 or (deadline is not None and deadline.expired()):
                 return None
             grow += 1
             lo, hi = hi, hi * 1.2 ** grow
             found = pack(items, hi)
         probes = 0
         while hi - lo > rel_tol * hi and probes < max_probes:
+            if deadline is not None and deadline.expired():
+                break
             mid = 0.5 * (lo + hi)
             g = pack(items, mid)
             probes += 1
@@ -223,12 +228,14 @@ class LevelPacker:
         return better
 
     # ------------------------------------------------------------------ stuffing
-    def stuff(self, items: np.ndarray, level: float) -> tuple[list[Group], np.ndarray]:
+    def stuff(self, items: np.ndarray, level: float, seed: list[Group] | None = None
+              ) -> tuple[list[Group], np.ndarray]:
         """Fill one micro-batch at ``level`` with as much work as fits, hardest items first.
 
         Returns its groups and the items left out. Items are taken in decreasing order of their
         fastest finish; each goes to the least-loaded group of its cheapest feasible size that has
         room, else opens a group of that size while GPUs remain, else tries the next sizes.
+        ``seed``: groups the micro-batch starts with (they are filled further and returned first).
         """
         tab = self.tab
         lens, cap, lens_min = self.lens_l, tab.cap, tab.lens
@@ -237,11 +244,13 @@ class LevelPacker:
         # tokens (most first); each group leaves the load heap at most once, so this is O(n log n)
         by_load: dict[int, list] = {}
         by_room: dict[int, list] = {}
-        made: list[Group] = []
-        free = self.n_gpus
+        made: list[Group] = list(seed or ())
+        for g in made:
+            heapq.heappush(by_load.setdefault(self.row_of[g.size], []), (g.load_ms, g.uid, g))
+        free = self.n_gpus - sum(g.size for g in made)
         left = []
         refused = 0
-        token_room = free * tab.cm.capacity_tokens  # tokens the micro-batch can still take
+        token_room = free * tab.cm.capacity_tokens + sum(tab.cap[g.size] - g.tokens for g in made)
         shortest = int(lens_min[items].min()) if len(items) else 0
         for pos, i in enumerate(order):
             if (refused >= _FULL_AFTER and free == 0) or token_room < shortest:

@@ -214,6 +214,16 @@ def level_grid(lo: float, hi: float, points: int) -> list[float]:
     return [lo * (hi / lo) ** (k / (points - 1)) for k in range(points)]
 
 
+def base_range(packer: LevelPacker, m_min: int) -> tuple[float, float]:
+    """The range (ms) of the search's base levels: from the level of 1.4x the memory minimum
+    ``m_min`` of balanced micro-batches to 1.25x the level of the memory minimum (or of the hardest
+    sequence's fastest finish, if higher)."""
+    n_gpus, f_min = packer.n_gpus, packer.f_min
+    area = float(packer.gpu_time_min.sum())
+    lo = f_min + area / (n_gpus * (1.4 * m_min + 2))
+    return lo, max(float(packer.critical.max()), f_min + area / (n_gpus * m_min)) * 1.25
+
+
 def first_levels(packer: LevelPacker, items: np.ndarray, lo: float, hi: float, grid: int = 5,
                  hardest: int = 4) -> list[float]:
     """Levels for a stuffed first micro-batch: a geometric grid from ``lo`` to ``hi`` plus every
@@ -274,10 +284,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         for layout in chosen:
             drain_micro_batches(layout, tab, deadline=own, tries=8)
             keep(layout, "groups-first")
-    # the base levels: from the level of 1.4x the memory minimum of balanced micro-batches to the
-    #    level of the memory minimum (or the hardest sequence's fastest finish, if higher)
-    lo = f_min + area / (n_gpus * (1.4 * m_min + 2))
-    hi = max(crit, f_min + area / (n_gpus * m_min)) * 1.25
+    lo, hi = base_range(packer, m_min)
     # 1. shelves: each micro-batch at its own level, by both scores (a third of the time left)
     shelf = ShelfPlanner(packer)
     own = deadline.capped(time.perf_counter() + deadline.left() / 3)

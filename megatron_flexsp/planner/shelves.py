@@ -86,12 +86,12 @@ class ShelfPlanner:
         return levels
 
     def layout(self, items: np.ndarray, bases: list[float], score: str, deadline,
-               give_up_ms: float = math.inf) -> Layout | None:
+               give_up_ms: float = math.inf, finish: bool = True) -> Layout | None:
         """Shelves of ``items`` over the base levels ``bases`` (ms) with ``score`` (one of
         :data:`SCORES`). When ``deadline`` passes first, the rest is stuffed at the last level
-        chosen (None if that needs over :data:`FINISH_MAX` micro-batches). None once the
-        micro-batches so far and a lower bound on the rest reach ``give_up_ms``. The layout's groups
-        are its own."""
+        chosen (None if that needs over :data:`FINISH_MAX` micro-batches, or if not ``finish``).
+        None once the micro-batches so far and a lower bound on the rest reach ``give_up_ms``. The
+        layout's groups are its own."""
         if score not in SCORES:
             raise ValueError(f"score={score!r} must be one of {SCORES}")
         tab, p = self.tab, self.packer
@@ -102,14 +102,18 @@ class ShelfPlanner:
         shelves: list[list[Group]] = []
         while len(left):
             if deadline.expired():  # finish at the last level, one stuffing per micro-batch
+                if not finish:
+                    return None
                 return self._finish(shelves, left, last if last is not None else min(bases))
             if int(tab.lens[left].sum()) <= self.mb_tokens:
-                found = p.min_level(left, rel_tol=self.last_tol)
+                found = p.min_level(left, rel_tol=self.last_tol, deadline=None if finish else deadline)
                 if found is not None:
                     shelves.append(found[1])
                     break
             best = None
             for level in self.candidates(left, bases, last):
+                if not finish and deadline.expired():
+                    return None
                 key = path + (level,)
                 if key not in self._memo:
                     self._memo[key] = p.stuff(left, level)

@@ -7,23 +7,26 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
 * each explicit micro-batch ``p``, per group size ``d``: a continuous group count ``n_pd`` with
   the work of the sequences put there within ``n_pd (b_p - f_d)``, their tokens within
   ``n_pd d C``, sequences holding more than half a group's memory one per group, sequences whose
-  work is over half of ``b_p - f_d`` one per group (two would not finish within ``b_p``), the memory
+  work is over half of ``b_p - f_d`` one per group (two would not finish within ``b_p``) and those
+  that cannot share a group with one of them counted by their share of a group's time, the memory
   such a slow sequence's group has no time left to fill counted as used, a whole group per placed
-  sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence (or
-  bucket) may use size ``d`` there only if it fits its memory and finishes within ``b_p``, and an
-  individual sequence's own time is within ``T_p``;
+  sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence may
+  use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only with
+  the token share of its members that do), and an individual sequence's own time is within ``T_p``;
 * the pooled micro-batches: the same per-size rows at their level (within ``b_k`` and within ``R``'s
   cap less the other pooled micro-batches' fixed costs), GPU-time within ``N (R - (m-k) f_min)``,
   tokens within ``(m-k) N C``, and each individual sequence's own time within ``R``.
 
 Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
 reality, so still a relaxation). The LP is built once per count; a probe changes only the
-coefficients that depend on the box and re-solves from the previous basis.
+coefficients and bounds that depend on a level that moved, and re-solves from a basis (the last
+one, or the parent box's: :meth:`_StepLP.start_from`).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -33,6 +36,24 @@ from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _Model
 
 Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
+#: Seconds a hot-started solve may take (they take 2-25 ms; one in a thousand ran into numerical
+#: trouble for 0.7 s and ended 'Unknown') and a solve from scratch after it (30-50 ms); past the
+#: second the search stops with what it proved (:class:`SolverTrouble`)
+HOT_START_S = 0.08
+SCRATCH_S = 0.3
+
+
+@dataclass(frozen=True)
+class Hint:
+    """Where the relaxation puts the long sequences, for rounding into a plan
+    (:mod:`planner.guided`): ``value_ms`` is the LP's value for plans of ``m`` micro-batches in its
+    lowest box; per explicit micro-batch (slowest first) its level (ms) and the individually placed
+    sequences whose largest share it holds, as (sequence index, group size)."""
+
+    m: int
+    value_ms: float
+    levels: tuple[float, ...]
+    singles: tuple[tuple[tuple[int, int], ...], ...]
 
 
 class SolverTrouble(RuntimeError):
@@ -76,6 +97,9 @@ class _StepLP:
         per = [{d: ([], [], [], [], [], []) for d in sizes} for _ in parts]
         slow: list[dict[int, list[tuple[int, float]]]] = [{} for _ in parts]
         alone: list[dict[int, float]] = [{} for _ in parts]  # column -> its finish alone (level filter)
+        # a bucket's columns: members' finish times alone (ascending) and the token share of the
+        # members finishing by each (only those finishing within the level may go there)
+        shares: list[dict[int, tuple[np.ndarray, np.ndarray]]] = [{} for _ in parts]
         # N T_p >= N f_min + sum over its groups of d (f_d - f_min + work); pooled: with R, (m-k) f_min
         area = [([c] + [self.counts[p][d] for d in sizes], [-float(n_gpus)] + [d * (tab.fixed[d] - f) for d in sizes])
                 for p, c in enumerate(self.T + ([self.R] if self.pooled else []))]
@@ -92,7 +116,8 @@ class _StepLP:
                 if int(tab.lens[members].max()) <= tab.cap[d]:
                     r = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo
                     self.rate[d] = min(self.rate.get(d, math.inf), r)
-        for members, single in units:
+        self.place: list[tuple[int, int, int, int]] = []  # (unit, part, size, column) placements
+        for u, (members, single) in enumerate(units):
             tokens = float(tab.lens[members].sum())
             longest = int(tab.lens[members].max())
             lo = int(tab.lens[members].min())
@@ -109,8 +134,12 @@ class _StepLP:
                 else:  # fluid bucket at its shortest member's rate
                     t_alone = float(cm.seq_time_ms(np.array([lo]), d)[0])
                     t = t_alone / lo * tokens
+                    fin = tab.time[d][members] + tab.fixed[d]
+                    by = np.argsort(fin, kind="stable")
+                    finish_shares = (fin[by], np.cumsum(tab.lens[members][by]) / tokens)
                 for p in parts:
                     c = mdl.col(0.0, 1.0)
+                    self.place.append((u, p, d, c))
                     ti, tv, mi, mv, hi, hv = per[p][d]
                     ti.append(c), tv.append(t), mi.append(c), mv.append(tokens)
                     if lo * 2 > tab.cap[d]:  # every member needs a group of its own here
@@ -119,6 +148,8 @@ class _StepLP:
                         mdl.row(-math.inf, 0.0, [c, self.counts[p][d]], [1.0, -1.0])
                         slow[p].setdefault(d, []).append((c, t, tokens))
                     alone[p][c] = t_alone + tab.fixed[d]
+                    if not single:
+                        shares[p][c] = finish_shares
                     area[p][0].append(c), area[p][1].append(d * t)
                     if excess > 0.0:  # at most (longest - lo) per token of the share placed there
                         q = mdl.col(0.0, math.inf)
@@ -167,9 +198,17 @@ class _StepLP:
             mdl.row(0.0, math.inf, [self.T[p], self.T[p + 1]], [1.0, -1.0])
         self.h = mdl.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
         self.h.setOptionValue("presolve", "off")  # re-solves start from the previous basis
+        # a hot start needing more iterations than the LP has rows is in numerical trouble (one
+        # took 1,934 iterations and 0.37 s, then ended 'Unknown'); from scratch takes 1,400-1,900
+        # iterations but a tenth of that time
+        self._hot_limit = max(500, self.h.getNumRow())
+        self.h.setOptionValue("simplex_iteration_limit", self._hot_limit)
         self.solves = 0
+        self._level_set: list[float | None] = [None] * len(copies)
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
+        self._shares = [[(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]]
+                        for p, a in enumerate(alone)]
 
     def levels(self, box: Box, r_cap: float) -> list[float]:
         """Each part's level: the explicit ones' upper ends; the pooled ones within the last of
@@ -188,6 +227,9 @@ class _StepLP:
         if self.pooled and r_hi < r_lo:
             return math.inf
         for p, level in enumerate(self.levels(box, r_cap)):
+            if level == self._level_set[p]:
+                continue  # every coefficient and column bound below depends on the level alone
+            self._level_set[p] = level
             for d, row in self.time_rows[p].items():
                 h.changeCoeff(row, self.counts[p][d], -(level - tab.fixed[d]))
             for d, sl in self.slow_rows[p].items():
@@ -197,28 +239,35 @@ class _StepLP:
                 # that time cannot fill, at the least work per token, is lost to everything else
                 lost = np.where(heavy, np.maximum(0.0, tab.cap[d] - sl.tokens
                                                   - np.maximum(room - sl.work, 0.0) / self.rate[d]), 0.0)
-                sl.update(h, sl.row, heavy.astype(np.float64), "slow")
+                sl.update(h, sl.row, _groups_needed(sl.work, room, heavy), "slow")
                 mem = sl.tokens + lost
                 sl.update(h, self.mem_rows[p][d], mem, "mem")
                 sl.update(h, self.total_mem_rows[p], mem, "total")
             upper = (self._alone[p] <= level).astype(np.float64)
+            for pos, fin, share in self._shares[p]:  # a bucket: its members finishing within the level
+                k = int(np.searchsorted(fin, level, side="right"))
+                upper[pos] = float(share[k - 1]) if k else 0.0
             h.changeColsBounds(len(self._cols[p]), self._cols[p], np.zeros(len(upper)), upper)
         for col, (a, b) in zip(self.T, box):
             h.changeColBounds(col, a, b)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
+        h.setOptionValue("time_limit", h.getRunTime() + HOT_START_S)  # HiGHS's clock is cumulative
         h.run()
         self.solves += 1
         status = h.getModelStatus()
-        for presolve in ("off", "on"):  # a hot start may end 'Unknown' after coefficient changes:
+        for presolve in ("off", "on"):  # a hot start may end 'Unknown' after coefficient changes
             if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-                break  # then from scratch, then with presolve (which settles the rest seen)
-            h.setOptionValue("presolve", presolve)
+                break  # or at a limit: then from scratch, then with presolve (which settles the
+            h.setOptionValue("presolve", presolve)  # rest seen)
+            h.setOptionValue("simplex_iteration_limit", 2**31 - 1)
+            h.setOptionValue("time_limit", h.getRunTime() + SCRATCH_S)
             h.clearSolver()
             h.run()
             self.solves += 1
             status = h.getModelStatus()
         h.setOptionValue("presolve", "off")
+        h.setOptionValue("simplex_iteration_limit", self._hot_limit)
         if status == highspy.HighsModelStatus.kOptimal:
             return float(h.getInfo().objective_function_value)
         if status == highspy.HighsModelStatus.kInfeasible:
@@ -228,6 +277,32 @@ class _StepLP:
         raise SolverTrouble(f"LP bound: HiGHS returned {h.modelStatusToString(status)!r} "
                             f"(m={self.m}, box={[(round(a, 1), round(b, 1)) for a, b in box]}, "
                             f"R cap={r_cap:.1f} ms)")
+
+    def hint(self, box: Box, r_cap: float, units: list[tuple[np.ndarray, bool]]) -> Hint | None:
+        """The relaxed placement at ``box`` (one more solve; None when infeasible), ``units`` being
+        those the LP was built from."""
+        value = self.solve(box, r_cap)
+        if not math.isfinite(value):
+            return None
+        x = self.h.getSolution().col_value
+        best: dict[int, tuple[float, int, int]] = {}
+        for u, p, d, col in self.place:
+            if units[u][1] and x[col] > best.get(u, (1e-9,))[0]:
+                best[u] = (x[col], p, d)
+        parts: list[list[tuple[int, int]]] = [[] for _ in range(self.k)]
+        for u, (_, p, d) in sorted(best.items()):
+            if p < self.k:
+                parts[p].append((int(units[u][0][0]), d))
+        return Hint(self.m, value, tuple(self.levels(box, r_cap)[:self.k]), tuple(map(tuple, parts)))
+
+    def basis(self) -> highspy.HighsBasis:
+        """The basis of the last solve (a hot start for boxes inside the one just solved)."""
+        return self.h.getBasis()
+
+    def start_from(self, basis: highspy.HighsBasis) -> None:
+        """Start the next solve from ``basis``: a child box's optimum is near its parent's, far
+        from the last box solved (best-first order jumps around); a third fewer simplex iterations."""
+        self.h.setBasis(basis)
 
     def least_step(self, box: Box, r_cap: float, rel_tol: float, deadline=None) -> float:
         """Valid lower bound on the step time of plans with makespans within ``box`` and
@@ -252,6 +327,21 @@ class _StepLP:
             else:
                 hi = mid
         return best
+
+
+def _groups_needed(work: np.ndarray, room: float, heavy: np.ndarray) -> np.ndarray:
+    """Coefficients of the singles in their (part, size)'s group-count row, a dual feasible
+    function of their work (ms) within a group's ``room`` (ms): 1 for a slow one (``heavy``, over
+    half the room; the lightest that can run takes ``w*``), ``w / room`` for one over ``room - w*``
+    (it cannot share a group with a slow one), 0 for the rest. A group holds at most one slow single
+    and then only singles of 0; else its singles' works sum to at most ``room``: every group's
+    coefficients sum to at most 1, so the count of groups is at least their sum."""
+    fits = heavy & (work <= room)
+    if not fits.any():
+        return heavy.astype(np.float64)
+    w_star = float(work[fits].min())
+    middle = ~heavy & (work > room - w_star + 1e-9 * room)
+    return np.where(heavy, 1.0, np.where(middle, work / room, 0.0))
 
 
 def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:

@@ -20,7 +20,7 @@ def test_level_plan_and_lp_bound_bracket_the_optimum(seed):
     cm, lens, opt = small_instance(seed)
     plan = plan_step(lens, cm, config=PlannerConfig(bound_lp_solves=400))
     validate_plan(plan)
-    families = ("level", "shelves", "split", "stuffed+split", "groups-first", "lp-rounded", "dcp-greedy", "greedy", "milp",
+    families = ("level", "shelves", "split", "stuffed+split", "groups-first", "lp-rounded", "lp-guided", "dcp-greedy", "greedy", "milp",
                 "milp-refined")
     assert plan.method.split("+mb-milp")[0] in families or plan.method.startswith("homogeneous")
     assert plan.predicted_step_ms >= opt * (1 - 1e-9)
