@@ -70,7 +70,6 @@ class _CountSearch:
     def __init__(self, tab: Tables, m: int, units, *, target_ms: float, t1_lo: float, t1_hi: float,
                  rel_tol: float, explicit: int, floor: float = 0.0, deadline=None) -> None:
         self.lp = _StepLP(tab, m, units, k=explicit)
-        self.units = units
         self.m, self.k, self.target, self.rel_tol, self.floor = m, self.lp.k, target_ms, rel_tol, floor
         f = self.lp.f_min
         # the p-th slowest micro-batch of a plan faster than the target: p T_p + (m - p) f_min <= target
@@ -125,7 +124,7 @@ class _CountSearch:
         if not self.heap:
             return None
         box = self.heap[0][2]
-        return self.lp.hint(box, self.target - sum(a for a, _ in box), self.units)
+        return self.lp.hint(box, self.target - sum(a for a, _ in box))
 
     def t1_range(self) -> tuple[float, float]:
         """Slowest makespans (ms) the open boxes span: a plan faster than the target is there."""

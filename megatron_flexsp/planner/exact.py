@@ -23,7 +23,7 @@ import numpy as np
 
 from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.planner.bucketing import make_buckets
-from megatron_flexsp.planner.layout import Group, Tables, improve_layout
+from megatron_flexsp.planner.layout import Group, Tables, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.milp import MilpOptions, MilpResult, solve_step_milp
 from megatron_flexsp.planner.realize import bucket_cuts, realize, select_long
@@ -124,7 +124,7 @@ def refine_micro_batches_of(layout: list[list[Group]], tab: Tables, packer: Leve
         if left <= 0.02:
             break
         mb = layout[j]
-        items = np.array([i for g in mb for i in g.seqs], dtype=np.int64)
+        items = mb_items(mb)
         before = tab.mb_ms(mb)
         if before <= packer.lower_bound(items, 1) * (1 + cfg.rel_gap):
             continue

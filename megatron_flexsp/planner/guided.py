@@ -102,10 +102,10 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,
                       upper_ms: float = math.inf, slack: float = 0.05) -> list[tuple[float, str, Layout]]:
     """Layouts rounded from ``hints`` (lowest LP value first; each seeded, then only stuffed at
-    its levels) in the first half of the time to ``deadline``; the best, if at most ``slack`` slower than ``upper_ms``, then drains its
-    shortest micro-batches, is re-packed at its smallest levels and searched locally
-    (:mod:`planner.layout`, :meth:`LevelPacker.repack`) in the rest. Returns it with its step
-    time (ms) and family name when it is then faster than ``upper_ms``."""
+    its levels) in the first half of the time to ``deadline``; the best, if at most ``slack``
+    slower than ``upper_ms``, then drains its shortest micro-batches, is re-packed at its smallest
+    levels and searched locally (:mod:`planner.layout`, :meth:`LevelPacker.repack`) in the rest.
+    Returns it with its step time (ms) and family name when it is then faster than ``upper_ms``."""
     tab = packer.tab
     if deadline.expired():
         return []

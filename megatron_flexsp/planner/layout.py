@@ -143,6 +143,11 @@ class Tables:
         return float(sum(self.mb_ms(mb) for mb in layout))
 
 
+def mb_items(mb: list[Group]) -> np.ndarray:
+    """The sequence indices one micro-batch's groups run (int64, group by group)."""
+    return np.array([i for g in mb for i in g.seqs], dtype=np.int64)
+
+
 def pack_lpt(items, groups: list[Group], tab: Tables) -> list[int]:
     """Place ``items`` longest-first, each on the group where it finishes earliest and fits in memory.
 

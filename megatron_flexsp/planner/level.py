@@ -19,7 +19,7 @@ import math
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, Tables
+from megatron_flexsp.planner.layout import Group, Tables, mb_items
 
 
 _MAX_PROBES = 16    # least-loaded groups tried for memory room before opening a new one
@@ -212,12 +212,12 @@ class LevelPacker:
         those furthest above their own lower bound first, keeping a new packing only when it is
         faster; stops at ``deadline``. Returns how many micro-batches got faster."""
         order = sorted(range(len(layout)), key=lambda j: -self.tab.mb_ms(layout[j]) / max(
-            self.lower_bound(np.array([i for g in layout[j] for i in g.seqs], dtype=np.int64), 1), 1e-9))
+            self.lower_bound(mb_items(layout[j]), 1), 1e-9))
         better = 0
         for j in order:
             if deadline.expired():
                 break
-            items = np.array([i for g in layout[j] for i in g.seqs], dtype=np.int64)
+            items = mb_items(layout[j])
             before = self.tab.mb_ms(layout[j])
             if before <= self.lower_bound(items, 1) * (1 + rel_tol):
                 continue

@@ -23,15 +23,11 @@ import time
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, drain_micro_batches, improve_layout
+from megatron_flexsp.planner.layout import Group, drain_micro_batches, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import level_grid, split_pack
 
 Layout = list[list[Group]]
-
-
-def _items(mb: list[Group]) -> np.ndarray:
-    return np.array([i for g in mb for i in g.seqs], dtype=np.int64)
 
 
 def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, levels: int = 4,
@@ -89,7 +85,7 @@ def resplit_pairs(layout: Layout, packer: LevelPacker, deadline, slowest: int = 
             if b == a:
                 continue
             upper = (tab.mb_ms(layout[a]) + tab.mb_ms(layout[b])) * (1 - 1e-9)
-            found = split_two(packer, np.concatenate([_items(layout[a]), _items(layout[b])]), upper, deadline)
+            found = split_two(packer, np.concatenate([mb_items(layout[a]), mb_items(layout[b])]), upper, deadline)
             if found is not None:
                 layout[a], layout[b] = found[1]
                 better += 1
@@ -108,7 +104,7 @@ def merge_tail(layout: Layout, packer: LevelPacker, deadline, longest: int = 8) 
     while t <= min(longest, len(layout)) and not deadline.expired():
         order = sorted(range(len(layout)), key=lambda j: tab.mb_ms(layout[j]))
         tail = order[:t]
-        pool = np.concatenate([_items(layout[j]) for j in tail])
+        pool = np.concatenate([mb_items(layout[j]) for j in tail])
         if int(tab.lens[pool].sum()) > (t - 1) * mb_tokens:
             t += 1
             continue

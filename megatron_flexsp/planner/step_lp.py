@@ -81,7 +81,7 @@ class _StepLP:
 
     def __init__(self, tab: Tables, m: int, units: list[tuple[np.ndarray, bool]], k: int = 1) -> None:
         cm = tab.cm
-        self.tab, self.m = tab, m
+        self.tab, self.m, self.units = tab, m, units
         self.k = k = max(1, min(k, m))
         self.pooled = m - k
         n_gpus, sizes = cm.cluster.num_gpus, tab.sizes
@@ -278,21 +278,20 @@ class _StepLP:
                             f"(m={self.m}, box={[(round(a, 1), round(b, 1)) for a, b in box]}, "
                             f"R cap={r_cap:.1f} ms)")
 
-    def hint(self, box: Box, r_cap: float, units: list[tuple[np.ndarray, bool]]) -> Hint | None:
-        """The relaxed placement at ``box`` (one more solve; None when infeasible), ``units`` being
-        those the LP was built from."""
+    def hint(self, box: Box, r_cap: float) -> Hint | None:
+        """The relaxed placement at ``box`` (one more solve; None when infeasible)."""
         value = self.solve(box, r_cap)
         if not math.isfinite(value):
             return None
         x = self.h.getSolution().col_value
         best: dict[int, tuple[float, int, int]] = {}
         for u, p, d, col in self.place:
-            if units[u][1] and x[col] > best.get(u, (1e-9,))[0]:
+            if self.units[u][1] and x[col] > best.get(u, (1e-9,))[0]:
                 best[u] = (x[col], p, d)
         parts: list[list[tuple[int, int]]] = [[] for _ in range(self.k)]
         for u, (_, p, d) in sorted(best.items()):
             if p < self.k:
-                parts[p].append((int(units[u][0][0]), d))
+                parts[p].append((int(self.units[u][0][0]), d))
         return Hint(self.m, value, tuple(self.levels(box, r_cap)[:self.k]), tuple(map(tuple, parts)))
 
     def basis(self) -> highspy.HighsBasis:
