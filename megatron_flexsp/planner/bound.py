@@ -78,15 +78,23 @@ class _CountSearch:
         self.heap: list[tuple[float, int, Box]] = []
         self.made = 0
         self._bases: dict[int, object] = {}  # an open box's LP basis, by its heap id
+        self._pending: set[int] = set()  # open boxes whose pooled cap is not yet refined
         if box[0][1] > t1_lo:
             self._push(box, deadline)
 
     def _push(self, box: Box, deadline) -> None:
-        val = self.lp.least_step(box, self.target - sum(a for a, _ in box), self.rel_tol, deadline)
+        """Bound ``box`` by one solve; its refinement (:meth:`_StepLP.refine`) waits until it is
+        the lowest box (most boxes never are)."""
+        val, settled = self.lp.first_probe(box, self._r_cap(box))
         if val < self.target:
             self._bases[self.made] = self.lp.basis()
+            if not settled:
+                self._pending.add(self.made)
             heapq.heappush(self.heap, (val, self.made, box))
             self.made += 1
+
+    def _r_cap(self, box: Box) -> float:
+        return self.target - sum(a for a, _ in box)
 
     @property
     def solves(self) -> int:
@@ -101,13 +109,28 @@ class _CountSearch:
         """True once no box can raise the bound (converged, or the lowest box is narrow)."""
         if not self.heap or self.bound >= self.target * (1 - self.rel_tol):
             return True
-        bx = self.heap[0][2]
-        return all(b - a <= self.rel_tol * a for a, b in bx)
+        _, top, bx = self.heap[0]
+        return top not in self._pending and all(b - a <= self.rel_tol * a for a, b in bx)
 
     def step(self, deadline=None) -> None:
-        """Split the box with the lowest bound along its widest makespan range."""
+        """Refine the box with the lowest bound, or split it along its widest makespan range
+        once refined."""
         top = heapq.heappop(self.heap)
         bx = top[2]
+        if top[1] in self._pending:
+            self.lp.start_from(self._bases[top[1]])
+            try:
+                val = self.lp.refine(bx, self._r_cap(bx), top[0], self.rel_tol, deadline)
+            except SolverTrouble:
+                heapq.heappush(self.heap, top)
+                raise
+            self._pending.discard(top[1])
+            if val < self.target:
+                self._bases[top[1]] = self.lp.basis()
+                heapq.heappush(self.heap, (val, top[1], bx))
+            else:
+                del self._bases[top[1]]
+            return
         p = max(range(self.k), key=lambda q: bx[q][1] - bx[q][0])
         basis = self._bases.pop(top[1])
         try:
@@ -124,7 +147,7 @@ class _CountSearch:
         if not self.heap:
             return None
         box = self.heap[0][2]
-        return self.lp.hint(box, self.target - sum(a for a, _ in box))
+        return self.lp.hint(box, self._r_cap(box))
 
     def t1_range(self) -> tuple[float, float]:
         """Slowest makespans (ms) the open boxes span: a plan faster than the target is there."""

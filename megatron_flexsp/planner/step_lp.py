@@ -75,6 +75,26 @@ class _Slow:
         self.last[key] = values
 
 
+class _Shares:
+    """The bucket columns of one part: per column, its members' finish times alone (ascending) and
+    the token share of the members finishing by each, flattened so that one level is looked up in
+    all of them at once."""
+
+    def __init__(self, columns: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
+        self.pos = np.array([c[0] for c in columns], dtype=np.int64)
+        self.fin = np.concatenate([c[1] for c in columns]) if columns else np.zeros(0)
+        self.share = np.concatenate([c[2] for c in columns]) if columns else np.zeros(0)
+        self.starts = np.cumsum([0] + [len(c[1]) for c in columns[:-1]]).astype(np.int64)
+
+    def within(self, level: float, upper: np.ndarray) -> None:
+        """Set ``upper[pos]`` of each bucket column to the token share of its members finishing
+        within ``level`` (ms)."""
+        if not len(self.pos):
+            return
+        done = np.add.reduceat((self.fin <= level).astype(np.int64), self.starts)
+        upper[self.pos] = np.where(done > 0, self.share[self.starts + np.maximum(done, 1) - 1], 0.0)
+
+
 class _StepLP:
     """The relaxation for a fixed ``m`` with ``k`` explicit micro-batches (the slowest) and the
     other ``m - k`` pooled. ``solve`` returns the least ``T_1 + ... + T_k + R`` (inf when infeasible)."""
@@ -207,7 +227,7 @@ class _StepLP:
         self._level_set: list[float | None] = [None] * len(copies)
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
-        self._shares = [[(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]]
+        self._shares = [_Shares([(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]])
                         for p, a in enumerate(alone)]
 
     def levels(self, box: Box, r_cap: float) -> list[float]:
@@ -244,9 +264,7 @@ class _StepLP:
                 sl.update(h, self.mem_rows[p][d], mem, "mem")
                 sl.update(h, self.total_mem_rows[p], mem, "total")
             upper = (self._alone[p] <= level).astype(np.float64)
-            for pos, fin, share in self._shares[p]:  # a bucket: its members finishing within the level
-                k = int(np.searchsorted(fin, level, side="right"))
-                upper[pos] = float(share[k - 1]) if k else 0.0
+            self._shares[p].within(level, upper)  # a bucket: its members finishing within the level
             h.changeColsBounds(len(self._cols[p]), self._cols[p], np.zeros(len(upper)), upper)
         for col, (a, b) in zip(self.T, box):
             h.changeColBounds(col, a, b)
@@ -303,28 +321,48 @@ class _StepLP:
         from the last box solved (best-first order jumps around); a third fewer simplex iterations."""
         self.h.setBasis(basis)
 
-    def least_step(self, box: Box, r_cap: float, rel_tol: float, deadline=None) -> float:
-        """Valid lower bound on the step time of plans with makespans within ``box`` and
-        ``R <= r_cap`` (``sum a_p + r_cap`` when there is none): plans with ``R <= r`` take at least
-        the LP value ``g(r)``, the others at least ``sum a_p + r``; bisection on ``r`` for the
-        largest ``min(g(r), sum a_p + r)``. Stopping early (``deadline``) returns what was proven."""
+    def first_probe(self, box: Box, r_cap: float) -> tuple[float, bool]:
+        """One solve at the whole cap: (a valid lower bound on the step time of plans within
+        ``box`` and ``R <= r_cap``, whether :meth:`refine` could not raise it)."""
         base = sum(a for a, _ in box)
         if not self.pooled:
-            return self.solve(box, 0.0)
+            return self.solve(box, 0.0), True
         best = min(self.solve(box, r_cap), base + r_cap)
         # a cap below r0 is the only way to lower the pooled level below b_k; plans with R <= r
         # are bounded by g(r), the others by base + r <= base + r0: nothing to gain above g
-        if best >= base + box[-1][1] + (self.pooled - 1) * self.f_min:
-            return best
-        lo, hi = self.pooled * self.f_min, r_cap
-        while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
-            mid = 0.5 * (lo + hi)
+        return best, best >= base + box[-1][1] + (self.pooled - 1) * self.f_min
+
+    def refine(self, box: Box, r_cap: float, first: float, rel_tol: float, deadline=None) -> float:
+        """Raise ``first`` (:meth:`first_probe`'s value at ``box``, ``r_cap``): plans with
+        ``R <= r`` take at least the LP value ``g(r)``, the others at least ``sum a_p + r``, so
+        every probe ``r`` proves ``min(g(r), sum a_p + r)``. ``g`` does not rise with ``r``: the
+        best such ``r`` is where ``g(r) = sum a_p + r``, found by regula falsi (Illinois), bisection
+        while ``g`` is infinite at the low end, until what is proven is within ``rel_tol`` of what
+        the bracket allows. Stopping early (``deadline``) returns what was proven."""
+        base = sum(a for a, _ in box)
+        best = g_hi = first
+        lo, hi, g_lo = self.pooled * self.f_min, r_cap, math.inf
+        kept = 0  # +1 / -1: the last step kept the high / low end (Illinois: halve its weight)
+        w_lo = w_hi = 1.0
+        while not (deadline is not None and deadline.expired()):
+            # what any probe inside the bracket could still prove: min(g(lo), base + hi)
+            if min(g_lo, base + hi) - best <= rel_tol * best or hi - lo <= 1e-6 * hi:
+                break
+            if math.isfinite(g_lo):  # h(r) = g(r) - base - r, with h(lo) > 0 >= h(hi)
+                h_lo, h_hi = (g_lo - base - lo) * w_lo, (g_hi - base - hi) * w_hi
+                mid = lo + (hi - lo) * min(max(h_lo / (h_lo - h_hi), 0.02), 0.98)
+            else:
+                mid = 0.5 * (lo + hi)
             g = self.solve(box, mid)
             best = max(best, min(g, base + mid))
             if g > base + mid:
-                lo = mid
+                lo, g_lo, w_lo = mid, g, 1.0
+                w_hi = 0.5 * w_hi if kept == 1 else 1.0
+                kept = 1
             else:
-                hi = mid
+                hi, g_hi, w_hi = mid, g, 1.0
+                w_lo = 0.5 * w_lo if kept == -1 else 1.0
+                kept = -1
         return best
 
 

@@ -200,3 +200,58 @@ def test_explicit_slowest_micro_batches_keep_every_plan(explicit):
                        max_solves=2000, explicit=explicit)
         assert r.bound_ms <= opt * (1 + 1e-6), (lens, explicit, r.bound_ms, opt)
         assert r.bound_ms >= 0.95 * opt  # and the explicit boxes prove most of it
+
+
+def test_bucket_shares_match_a_lookup_per_column():
+    """The flattened lookup of the members finishing within a level equals a per-column
+    ``searchsorted`` (written here without the helper), including columns none of whose members
+    finish in time and levels past every member."""
+    from megatron_flexsp.planner.step_lp import _Shares
+
+    rng = np.random.default_rng(3)
+    for _ in range(100):
+        cols = []
+        for j in range(int(rng.integers(0, 6))):
+            fin = np.sort(rng.uniform(0.0, 10.0, int(rng.integers(1, 8))))
+            share = np.cumsum(rng.uniform(0.1, 1.0, len(fin)))
+            cols.append((2 * j, fin, share / share[-1]))
+        shares = _Shares(cols)
+        for level in rng.uniform(-1.0, 11.0, 6):
+            got = np.full(12, 7.0)
+            shares.within(float(level), got)
+            want = np.full(12, 7.0)
+            for pos, fin, share in cols:
+                k = int(np.searchsorted(fin, level, side="right"))
+                want[pos] = share[k - 1] if k else 0.0
+            np.testing.assert_array_equal(got, want)
+
+
+def test_refined_pooled_cap_matches_a_dense_scan():
+    """Refining a box's pooled cap (regula falsi on ``g(r) = sum a_p + r``) proves what a dense
+    scan of caps proves, ``max_r min(g(r), sum a_p + r)`` (within the tolerance plus one step of
+    the scan), and never more: every probe's value is a valid bound, so the scan's best is the
+    reference. On these boxes refining raises the first probe's value by 1-4%."""
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from megatron_flexsp.planner.step_lp import _StepLP, bound_units
+    from tests.unit.test_packing import _batch, _paper_cluster
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("pareto-1.1", 1024, cm), cm)
+    m = min_micro_batches(tab)
+    lp = _StepLP(tab, m, bound_units(tab), k=1)
+    crit = float(tab.critical_ms().max())
+    top = 2.5 * max(crit, lp.f_min + tab.area_min_ms() / cm.cluster.num_gpus / m)
+    r_cap = 2.0 * top
+    caps = np.linspace(lp.pooled * lp.f_min, r_cap, 600)
+    raised = 0
+    for b in np.linspace(crit, top, 6)[1:]:
+        box = ((crit, float(b)),)
+        first, settled = lp.first_probe(box, r_cap)
+        if settled:
+            continue
+        scan = max(min(lp.solve(box, float(r)), crit + float(r)) for r in caps)
+        value = lp.refine(box, r_cap, first, 2e-3)
+        assert value <= scan + (caps[1] - caps[0]) + 1e-6  # no more than the scan proves ...
+        assert value >= scan * (1 - 2e-3) - 1e-6  # ... and as much
+        raised += value > first * 1.005
+    assert raised >= 2
