@@ -93,6 +93,10 @@ class Tables:
         self.cap = {d: cm.group_capacity_tokens(d) for d in self.sizes}
         self.min_size = np.array([cm.min_group_size(int(s)) for s in self.lens], dtype=np.int64)
         self._critical: np.ndarray | None = None
+        # plain-Python copies for the per-sequence updates below (a NumPy scalar read costs more
+        # than the rest of an update)
+        self._time_l = {d: self.time[d].tolist() for d in self.sizes}
+        self._lens_l = self.lens.tolist()
 
     def critical_ms(self) -> np.ndarray:
         """Fastest finish of each sequence alone (ms): the least time + fixed cost over the sizes
@@ -117,17 +121,19 @@ class Tables:
         return self.fixed[g.size] + g.load_ms if g.seqs else 0.0
 
     def fits(self, g: Group, i: int) -> bool:
-        return g.tokens + int(self.lens[i]) <= self.cap[g.size]
+        return g.tokens + self._lens_l[i] <= self.cap[g.size]
 
     def add(self, g: Group, i: int) -> None:
-        g.seqs.append(int(i))
-        g.load_ms += float(self.time[g.size][i])
-        g.tokens += int(self.lens[i])
+        i = int(i)
+        g.seqs.append(i)
+        g.load_ms += self._time_l[g.size][i]
+        g.tokens += self._lens_l[i]
 
     def remove(self, g: Group, i: int) -> None:
-        g.seqs.remove(int(i))
-        g.load_ms -= float(self.time[g.size][i])
-        g.tokens -= int(self.lens[i])
+        i = int(i)
+        g.seqs.remove(i)
+        g.load_ms -= self._time_l[g.size][i]
+        g.tokens -= self._lens_l[i]
 
     def clone(self, g: Group) -> Group:
         """A new group of the same size holding the same sequences."""

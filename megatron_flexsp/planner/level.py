@@ -268,7 +268,9 @@ class LevelPacker:
                 while heap and heap[0][0] + t <= room + 1e-9:
                     g = heap[0][2]
                     if g.tokens + lens[i] <= cap[d]:
-                        tab.add(g, i)
+                        g.seqs.append(i)  # Tables.add, with the time and tokens at hand
+                        g.load_ms += t
+                        g.tokens += lens[i]
                         heapq.heapreplace(heap, (g.load_ms, g.uid, g))
                         placed = True
                         break
@@ -278,14 +280,18 @@ class LevelPacker:
                     side = by_room.get(r)
                     if side and -side[0][0] >= lens[i] and side[0][2].load_ms + t <= room + 1e-9:
                         g = side[0][2]
-                        tab.add(g, i)
+                        g.seqs.append(i)  # Tables.add, with the time and tokens at hand
+                        g.load_ms += t
+                        g.tokens += lens[i]
                         heapq.heapreplace(side, (g.tokens - cap[d], g.uid, g))
                         placed = True
                 if placed:
                     break
                 if free >= d:
                     g = Group(d)
-                    tab.add(g, i)
+                    g.seqs.append(i)  # Tables.add, with the time and tokens at hand
+                    g.load_ms += t
+                    g.tokens += lens[i]
                     made.append(g)
                     heapq.heappush(heap, (g.load_ms, g.uid, g))
                     free -= d
@@ -298,3 +304,4 @@ class LevelPacker:
                 refused = 0
                 token_room -= lens[i]
         return made, np.array(left, dtype=np.int64)
+

@@ -44,6 +44,8 @@ Layout = list[list[Group]]
 #: A layout being built is given up once it is sure to end this much above the best so far (a
 #: little above: the best layouts are polished afterwards, which may reorder them).
 PRUNE = 0.02
+#: :func:`balanced_split` loops in plain Python up to this many micro-batches, with NumPy above
+_SPLIT_LOOP_MAX = 16
 
 
 class Deadline:
@@ -102,19 +104,36 @@ def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -
     w = weight[items]
     mean_w, mean_s = max(float(w.sum()) / m, 1e-12), max(float(lens.sum()) / m, 1e-12)
     order = np.argsort(-np.maximum(w / mean_w, lens / mean_s), kind="stable")
-    load = np.zeros(m)
-    tokens = np.zeros(m)
     out: list[list[int]] = [[] for _ in range(m)]
+    if m > _SPLIT_LOOP_MAX:
+        load, tokens = np.zeros(m), np.zeros(m)
+        for k in order.tolist():
+            s_k, w_k = lens[k], w[k]
+            share = np.maximum((load + w_k) / mean_w, (tokens + s_k) / mean_s)
+            share[tokens + s_k > cap] = np.inf
+            j = int(np.argmin(share))
+            if not np.isfinite(share[j]):
+                return None
+            out[j].append(int(items[k]))
+            load[j] += w_k
+            tokens[j] += s_k
+        return [np.array(x, dtype=np.int64) for x in out if x]
+    # the same choices in plain Python (NumPy's per-call cost dominates for a few micro-batches)
+    load_l, tokens_l = [0.0] * m, [0.0] * m
+    lens_l, w_l, items_l = lens.tolist(), w.tolist(), items.tolist()
     for k in order.tolist():
-        s_k, w_k = lens[k], w[k]
-        share = np.maximum((load + w_k) / mean_w, (tokens + s_k) / mean_s)
-        share[tokens + s_k > cap] = np.inf
-        j = int(np.argmin(share))
-        if not np.isfinite(share[j]):
+        s_k, w_k = lens_l[k], w_l[k]
+        j, least = -1, math.inf
+        for q in range(m):
+            if tokens_l[q] + s_k <= cap:
+                v = max((load_l[q] + w_k) / mean_w, (tokens_l[q] + s_k) / mean_s)
+                if v < least:
+                    j, least = q, v
+        if j < 0 or not math.isfinite(least):
             return None
-        out[j].append(int(items[k]))
-        load[j] += w_k
-        tokens[j] += s_k
+        out[j].append(items_l[k])
+        load_l[j] += w_k
+        tokens_l[j] += s_k
     return [np.array(x, dtype=np.int64) for x in out if x]
 
 

@@ -90,3 +90,26 @@ def test_a_late_layout_needing_many_micro_batches_is_given_up():
     tab = Tables(_batch("lognormal-16k", 2048, cm), cm)  # about 90 micro-batches by memory
     packer = LevelPacker(tab)
     assert ShelfPlanner(packer).layout(np.arange(len(tab.lens)), _grid(packer), "value", Deadline(0.0)) is None
+
+
+@pytest.mark.parametrize("corpus", ["pareto-1.3", "lognormal-4k"])
+def test_balanced_split_loops_agree(corpus, monkeypatch):
+    """The plain-Python loop of the balanced split makes the NumPy loop's choices: the same parts
+    for a few to many micro-batches, each part within one micro-batch's memory."""
+    from megatron_flexsp.planner import search
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch(corpus, 1024, cm), cm)
+    weight = LevelPacker(tab).gpu_time_min
+    items = np.arange(len(tab.lens))
+    for m in (3, 6, 12):
+        monkeypatch.setattr(search, "_SPLIT_LOOP_MAX", 64)
+        plain = search.balanced_split(tab, items, m, weight)
+        monkeypatch.setattr(search, "_SPLIT_LOOP_MAX", 0)
+        vector = search.balanced_split(tab, items, m, weight)
+        assert (plain is None) == (vector is None)
+        if plain is None:
+            continue
+        assert [p.tolist() for p in plain] == [v.tolist() for v in vector]
+        assert sorted(i for p in plain for i in p.tolist()) == items.tolist()
+        assert all(int(tab.lens[p].sum()) <= cm.capacity_tokens * cm.cluster.num_gpus for p in plain)
