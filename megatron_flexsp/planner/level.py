@@ -92,7 +92,7 @@ class LevelPacker:
             if not spare:
                 return order[pos:]
             _, _, g = spare[0]
-            t = float(self.time[self.row_of[g.size], i])
+            t = self.time_l[i][self.row_of[g.size]]
             idle = level - float(tab.fixed[g.size]) - g.load_ms
             if t > idle + 1e-9 or g.tokens + self.lens_l[i] > tab.cap[g.size]:
                 return order[pos:]
@@ -103,8 +103,8 @@ class LevelPacker:
     def _pack_balanced(self, items: np.ndarray, rows: np.ndarray, level: float) -> list[Group] | None:
         tab, groups, used = self.tab, [], 0
         spare: list = []  # larger groups with idle time, most idle first
-        for r in np.unique(rows)[::-1]:
-            d = int(self.sizes[r])
+        for r in np.unique(rows)[::-1].tolist():
+            d = self.sizes_l[r]
             mine = self._backfill(items[rows == r], r, spare, level) if spare else items[rows == r]
             if not len(mine):
                 continue
@@ -117,18 +117,21 @@ class LevelPacker:
                 return None
             cls = [Group(d) for _ in range(need)]
             heap = [(0.0, k) for k in range(need)]
-            for i in mine[order]:
-                i = int(i)
-                t = float(self.time[r, i])
+            cap, lens, times_l = tab.cap[d], self.lens_l, self.time_l
+            for i in mine[order].tolist():
+                t = times_l[i][r]
                 popped, placed = [], False
                 while heap and len(popped) < _MAX_PROBES:
                     load, k = heapq.heappop(heap)
                     if load + t > room + 1e-9:
                         popped.append((load, k))
                         break  # least-loaded cannot take it: none can
-                    if tab.fits(cls[k], i):
-                        tab.add(cls[k], i)
-                        heapq.heappush(heap, (cls[k].load_ms, k))
+                    g = cls[k]
+                    if g.tokens + lens[i] <= cap:
+                        g.seqs.append(i)  # Tables.add, with the time and tokens at hand
+                        g.load_ms += t
+                        g.tokens += lens[i]
+                        heapq.heappush(heap, (g.load_ms, k))
                         placed = True
                         break
                     popped.append((load, k))

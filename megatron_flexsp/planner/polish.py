@@ -9,8 +9,9 @@
   pool split again into two: the first stuffed (:meth:`LevelPacker.stuff`) at each level of a
   short grid from the pool's hardest sequence's fastest finish up to 0.6 of the pair's summed
   makespans, and at its two hardest sequences' finish times on each size there, the rest packed at
-  its smallest level (:meth:`LevelPacker.min_level`). A split replaces the pair when its two
-  makespans sum to less. On GitHub-like documents at 64 GPUs (4,096 per step, 20 micro-batches)
+  its smallest level (:meth:`LevelPacker.min_level`); and the pool split in two balanced in
+  GPU-time and tokens (two memory-bound micro-batches of short sequences even out). A split
+  replaces the pair when its two makespans sum to less. On GitHub-like documents at 64 GPUs (4,096 per step, 20 micro-batches)
   the first pairs, those of the slowest micro-batch, took 1% off the step.
 
 Both only keep what is faster; a try costs a few stuffings and bisections, and the deadline is
@@ -35,8 +36,9 @@ def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, lev
     """The best split of ``pool`` into two micro-batches found (sum of makespans ms, layout), among
     those faster than ``upper``; None when none is. The first is stuffed at ``levels`` levels and
     at the two hardest sequences' finish times on each size in that range; the ``packed`` with the
-    least first makespan plus a lower bound on the rest get their rest packed; ``deadline`` is
-    checked before each packing."""
+    least first makespan plus a lower bound on the rest get their rest packed; then the balanced
+    split in two (:func:`~planner.search.split_pack`). ``deadline`` is checked before each
+    packing."""
     tab = packer.tab
     best: tuple[float, Layout] | None = None
     crit = float(packer.critical[pool].max())
@@ -63,6 +65,12 @@ def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, lev
         total = ms + tab.mb_ms(found[1])
         if total < upper and (best is None or total < best[0]):
             best = (total, [first, found[1]])
+    if not deadline.expired():  # and balanced in GPU-time and tokens (two memory-bound halves)
+        halves = split_pack(packer, pool, 2, deadline, give_up_ms=best[0] if best else upper)
+        if halves is not None and len(halves) == 2:
+            total = tab.step_ms(halves)
+            if total < upper and (best is None or total < best[0]):
+                best = (total, halves)
     return best
 
 

@@ -64,3 +64,23 @@ def test_tail_of_under_filled_micro_batches_merges_into_fewer():
     assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(lens)))
     validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="merged"))
     assert merge_tail(layout, packer, Deadline(0.0)) == 0
+
+
+def test_a_memory_bound_pool_of_short_sequences_splits_in_two():
+    """The shortest CommonCrawl-like documents up to 1.9 micro-batches of memory: stuffing one
+    micro-batch full leaves too much for the other, so only the split balanced in GPU-time and
+    tokens finds two micro-batches. The split holds every sequence once and is within 5% of
+    the lower bound of two micro-batches (one fixed cost each plus the least GPU-time over N)."""
+    cm = _paper_cluster(64)
+    lens = np.sort(_batch("commoncrawl", 2048, cm), kind="stable")
+    lens = lens[np.cumsum(lens) <= 1.9 * cm.capacity_tokens * cm.cluster.num_gpus]
+    tab = Tables(lens, cm)
+    packer = LevelPacker(tab)
+    pool = np.arange(len(lens))
+    found = split_two(packer, pool, float("inf"), Deadline())
+    assert found is not None
+    total, halves = found
+    assert len(halves) == 2 and total == tab.step_ms(halves)
+    assert sorted(i for mb in halves for g in mb for i in g.seqs) == sorted(pool.tolist())
+    validate_plan(to_step_plan(halves, tab, strategy="flexsp", method="split"))
+    assert total <= 1.05 * packer.lower_bound(pool, 2)
