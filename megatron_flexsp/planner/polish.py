@@ -1,4 +1,4 @@
-"""Polishing a layout: micro-batches pooled and split again.
+"""Polishing a layout: micro-batches pooled and split again, groups evened out.
 
 * **Merging the tail** (:func:`merge_tail`): the fastest micro-batches (often short sequences the
   search left in under-filled micro-batches) pooled and split into one fewer, when their tokens
@@ -11,20 +11,22 @@
   makespans, and at its two hardest sequences' finish times on each size there, the rest packed at
   its smallest level (:meth:`LevelPacker.min_level`); and the pool split in two balanced in
   GPU-time and tokens (two memory-bound micro-batches of short sequences even out). A split
-  replaces the pair when its two makespans sum to less. On GitHub-like documents at 64 GPUs (4,096 per step, 20 micro-batches)
-  the first pairs, those of the slowest micro-batch, took 1% off the step.
+  replaces the pair when its two makespans sum to less. On GitHub-like documents at 64 GPUs
+  (4,096 per step, 20 micro-batches) the first pairs, those of the slowest micro-batch, took 1%
+  off the step.
+* **Exchanges** (:func:`balance_groups`): within a micro-batch, sequences of the slowest group
+  traded with the least-loaded groups of its size, where memory is too full to move one alone.
 
-Both only keep what is faster; a try costs a few stuffings and bisections, and the deadline is
-checked between tries.
+All only keep what is faster; a try costs a few stuffings and bisections (an exchange, a few
+array operations), and the deadline is checked between tries.
 """
-
 from __future__ import annotations
 
 import time
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, drain_micro_batches, improve_layout, mb_items
+from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import level_grid, split_pack
 
@@ -128,6 +130,79 @@ def merge_tail(layout: Layout, packer: LevelPacker, deadline, longest: int = 8) 
     return removed
 
 
+def balance_groups(mb: list[Group], tab: Tables, deadline=None, partners: int = 8,
+                   max_swaps: int = 400) -> int:
+    """Exchange sequences between a micro-batch's slowest group and the ``partners`` least-loaded
+    groups of its size while the micro-batch's makespan drops, within both groups' memory: one
+    sequence of the slowest group for one of the partner's, or for the fewest of the partner's
+    shortest sequences that make room for it (short sequences cost less time per token). Moving
+    single sequences cannot do this once memory is full: a memory-bound micro-batch of short
+    sequences on single GPUs packs 2% above the makespan a MILP finds for the same sequences, its
+    slowest groups holding a few longer sequences. Each exchange strictly lowers the makespan or
+    the number of groups at it, so this ends. Returns the exchanges made."""
+    swaps = 0
+    while swaps < max_swaps and not (deadline is not None and deadline.expired()):
+        ends = [tab.finish(g) for g in mb]
+        top = max(range(len(mb)), key=lambda k: (ends[k], -mb[k].size))
+        slow, span = mb[top], ends[top]
+        same = sorted((k for k in range(len(mb)) if k != top and mb[k].size == slow.size and mb[k].seqs),
+                      key=lambda k: ends[k])[:partners]
+        if not same:
+            break
+        best = _best_exchange(mb, tab, top, same, ends)
+        if best is None:
+            break
+        _, k, out, back = best
+        for i in out:
+            tab.remove(slow, i)
+            tab.add(mb[k], i)
+        for j in back:
+            tab.remove(mb[k], j)
+            tab.add(slow, j)
+        swaps += 1
+    return swaps
+
+
+def _best_exchange(mb: list[Group], tab: Tables, top: int, partners: list[int], ends: list[float]):
+    """The exchange between ``mb[top]`` (the slowest group) and one of ``partners`` that leaves the
+    slower of the two fastest, if below ``ends[top]``: (its finish ms, partner, sequences out of the
+    slowest group, sequences into it)."""
+    slow, span = mb[top], ends[top]
+    d, cap = slow.size, tab.cap[slow.size]
+    t_s, l_s = tab.time[d][slow.seqs], tab.lens[slow.seqs]
+    best = None
+    for k in partners:
+        h = mb[k]
+        t_h, l_h = tab.time[d][h.seqs], tab.lens[h.seqs]
+        # one for one
+        dt = t_s[:, None] - t_h[None, :]
+        ok = (dt > 0) & (slow.tokens - l_s[:, None] + l_h[None, :] <= cap) & \
+             (h.tokens - l_h[None, :] + l_s[:, None] <= cap)
+        if ok.any():
+            new = np.where(ok, np.maximum(span - dt, ends[k] + dt), np.inf)
+            a, b = np.unravel_index(int(np.argmin(new)), new.shape)
+            if new[a, b] < span * (1 - 1e-9) and (best is None or new[a, b] < best[0]):
+                best = (float(new[a, b]), k, [slow.seqs[a]], [h.seqs[b]])
+        # one for the fewest shortest that make room for it
+        order = np.argsort(l_h, kind="stable")
+        room = np.cumsum(l_h[order])
+        took = np.cumsum(t_h[order])
+        need = l_s - (cap - h.tokens)
+        n = np.searchsorted(room, need, side="left") + 1  # how many of the shortest, per sequence
+        fine = (need > 0) & (n <= len(order))
+        if not fine.any():
+            continue
+        n_ok = np.minimum(n, len(order))
+        back_t, back_l = took[n_ok - 1], room[n_ok - 1]
+        new = np.maximum(span - t_s + back_t, ends[k] + t_s - back_t)
+        fine &= (slow.tokens - l_s + back_l <= cap) & (back_t < t_s)
+        new = np.where(fine, new, np.inf)
+        a = int(np.argmin(new))
+        if new[a] < span * (1 - 1e-9) and (best is None or new[a] < best[0]):
+            best = (float(new[a]), k, [slow.seqs[a]], [h.seqs[q] for q in order[:n_ok[a]].tolist()])
+    return best
+
+
 def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline, info: dict
            ) -> list[tuple[float, str, Layout]]:
     """Polish the search's layouts ``found`` (step ms, family, layout; best first) until
@@ -135,7 +210,7 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     drains its shortest micro-batches into the others' free memory (a quarter; groups first was
     drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the two best
     have every micro-batch re-packed at its smallest level where that is faster
-    (:meth:`LevelPacker.repack`) and the local search (to 80%); the best re-splits pairs
+    (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 80%); the best re-splits pairs
     (:func:`resplit_pairs`, the rest). Returns the two polished layouts and the third best as it
     was; ``info`` records what each step did."""
     tab = packer.tab
@@ -163,6 +238,7 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
         share = end.capped(time.perf_counter() + max(end.left(), 0.0) / (2 - n_done))
         info.setdefault("repacked", {})[name] = packer.repack(layout, share)
         improve_layout(layout, tab, deadline=share)
+        info.setdefault("exchanged", {})[name] = sum(balance_groups(mb, tab, share) for mb in layout)
         out.append((tab.step_ms(layout), name, layout))
     if out:
         k = min(range(len(out)), key=lambda j: out[j][0])
