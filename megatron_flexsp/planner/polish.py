@@ -210,8 +210,8 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     drains its shortest micro-batches into the others' free memory (a quarter; groups first was
     drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the two best
     have every micro-batch re-packed at its smallest level where that is faster
-    (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 80%); the best re-splits pairs
-    (:func:`resplit_pairs`, the rest). Returns the two polished layouts and the third best as it
+    (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 80%);
+    the best re-splits pairs (:func:`resplit_pairs`, the rest). Returns the two polished layouts and the third best as it
     was; ``info`` records what each step did."""
     tab = packer.tab
     start, span = time.perf_counter(), max(deadline.left(), 0.0)
