@@ -29,6 +29,7 @@ import numpy as np
 
 from megatron_flexsp.planner.layout import Group, drain_micro_batches, improve_layout
 from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.polish import balance_groups
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.step_lp import Hint
 
@@ -104,7 +105,8 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
     """Layouts rounded from ``hints`` (lowest LP value first; each seeded, then only stuffed at
     its levels) in the first half of the time to ``deadline``; the best, if at most ``slack``
     slower than ``upper_ms``, then drains its shortest micro-batches, is re-packed at its smallest
-    levels and searched locally (:mod:`planner.layout`, :meth:`LevelPacker.repack`) in the rest.
+    levels, searched locally and its groups evened out by exchanges (:mod:`planner.layout`,
+    :meth:`LevelPacker.repack`, :func:`~planner.polish.balance_groups`) in the rest.
     Returns it with its step time (ms) and family name when it is then faster than ``upper_ms``."""
     tab = packer.tab
     if deadline.expired():
@@ -126,5 +128,7 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
     drain_micro_batches(layout, tab, deadline=deadline, tries=8)
     packer.repack(layout, deadline)
     improve_layout(layout, tab, deadline=deadline)
+    for mb in layout:
+        balance_groups(mb, tab, deadline)
     ms = tab.step_ms(layout)
     return [(ms, "lp-guided", layout)] if ms < upper_ms else []
