@@ -307,4 +307,3 @@ class LevelPacker:
                 refused = 0
                 token_room -= lens[i]
         return made, np.array(left, dtype=np.int64)
-

@@ -20,6 +20,7 @@
 All only keep what is faster; a try costs a few stuffings and bisections (an exchange, a few
 array operations), and the deadline is checked between tries.
 """
+
 from __future__ import annotations
 
 import time
@@ -211,8 +212,8 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the two best
     have every micro-batch re-packed at its smallest level where that is faster
     (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 80%);
-    the best re-splits pairs (:func:`resplit_pairs`, the rest). Returns the two polished layouts and the third best as it
-    was; ``info`` records what each step did."""
+    the best re-splits pairs (:func:`resplit_pairs`, the rest). Returns the two polished layouts
+    and the third best as it was; ``info`` records what each step did."""
     tab = packer.tab
     start, span = time.perf_counter(), max(deadline.left(), 0.0)
 
