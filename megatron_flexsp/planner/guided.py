@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, drain_micro_batches, improve_layout
+from megatron_flexsp.planner.layout import Group, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
-from megatron_flexsp.planner.polish import balance_groups
+from megatron_flexsp.planner.polish import settle
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.step_lp import Hint
 
@@ -79,7 +79,7 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
         if taken.all():
             break
         groups = _open_groups(packer, singles, level, taken) if seeded else []
-        level = max([level] + [g.load_ms + tab.fixed[g.size] for g in groups])
+        level = max(level, tab.mb_ms(groups))
         groups, _ = packer.stuff(np.flatnonzero(~taken), level, seed=groups)
         if not groups:
             break
@@ -105,8 +105,8 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
     """Layouts rounded from ``hints`` (lowest LP value first; each seeded, then only stuffed at
     its levels) in the first half of the time to ``deadline``; the best, if at most ``slack``
     slower than ``upper_ms``, then drains its shortest micro-batches, is re-packed at its smallest
-    levels, searched locally and its groups evened out by exchanges (:mod:`planner.layout`,
-    :meth:`LevelPacker.repack`, :func:`~planner.polish.balance_groups`) in the rest.
+    levels, searched locally and its groups evened out by exchanges
+    (:func:`~planner.polish.settle`) in the rest.
     Returns it with its step time (ms) and family name when it is then faster than ``upper_ms``."""
     tab = packer.tab
     if deadline.expired():
@@ -126,9 +126,6 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
     if ms > upper_ms * (1 + slack):
         return []
     drain_micro_batches(layout, tab, deadline=deadline, tries=8)
-    packer.repack(layout, deadline)
-    improve_layout(layout, tab, deadline=deadline)
-    for mb in layout:
-        balance_groups(mb, tab, deadline)
+    settle(layout, packer, deadline)
     ms = tab.step_ms(layout)
     return [(ms, "lp-guided", layout)] if ms < upper_ms else []

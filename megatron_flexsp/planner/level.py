@@ -117,21 +117,17 @@ class LevelPacker:
                 return None
             cls = [Group(d) for _ in range(need)]
             heap = [(0.0, k) for k in range(need)]
-            cap, lens, times_l = tab.cap[d], self.lens_l, self.time_l
             for i in mine[order].tolist():
-                t = times_l[i][r]
+                t = self.time_l[i][r]
                 popped, placed = [], False
                 while heap and len(popped) < _MAX_PROBES:
                     load, k = heapq.heappop(heap)
                     if load + t > room + 1e-9:
                         popped.append((load, k))
                         break  # least-loaded cannot take it: none can
-                    g = cls[k]
-                    if g.tokens + lens[i] <= cap:
-                        g.seqs.append(i)  # Tables.add, with the time and tokens at hand
-                        g.load_ms += t
-                        g.tokens += lens[i]
-                        heapq.heappush(heap, (g.load_ms, k))
+                    if tab.fits(cls[k], i):
+                        tab.add(cls[k], i)
+                        heapq.heappush(heap, (cls[k].load_ms, k))
                         placed = True
                         break
                     popped.append((load, k))
@@ -271,9 +267,7 @@ class LevelPacker:
                 while heap and heap[0][0] + t <= room + 1e-9:
                     g = heap[0][2]
                     if g.tokens + lens[i] <= cap[d]:
-                        g.seqs.append(i)  # Tables.add, with the time and tokens at hand
-                        g.load_ms += t
-                        g.tokens += lens[i]
+                        tab.add(g, i)
                         heapq.heapreplace(heap, (g.load_ms, g.uid, g))
                         placed = True
                         break
@@ -283,18 +277,14 @@ class LevelPacker:
                     side = by_room.get(r)
                     if side and -side[0][0] >= lens[i] and side[0][2].load_ms + t <= room + 1e-9:
                         g = side[0][2]
-                        g.seqs.append(i)  # Tables.add, with the time and tokens at hand
-                        g.load_ms += t
-                        g.tokens += lens[i]
+                        tab.add(g, i)
                         heapq.heapreplace(side, (g.tokens - cap[d], g.uid, g))
                         placed = True
                 if placed:
                     break
                 if free >= d:
                     g = Group(d)
-                    g.seqs.append(i)  # Tables.add, with the time and tokens at hand
-                    g.load_ms += t
-                    g.tokens += lens[i]
+                    tab.add(g, i)
                     made.append(g)
                     heapq.heappush(heap, (g.load_ms, g.uid, g))
                     free -= d

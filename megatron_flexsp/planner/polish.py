@@ -145,7 +145,7 @@ def balance_groups(mb: list[Group], tab: Tables, deadline=None, partners: int = 
     while swaps < max_swaps and not (deadline is not None and deadline.expired()):
         ends = [tab.finish(g) for g in mb]
         top = max(range(len(mb)), key=lambda k: (ends[k], -mb[k].size))
-        slow, span = mb[top], ends[top]
+        slow = mb[top]
         same = sorted((k for k in range(len(mb)) if k != top and mb[k].size == slow.size and mb[k].seqs),
                       key=lambda k: ends[k])[:partners]
         if not same:
@@ -204,6 +204,16 @@ def _best_exchange(mb: list[Group], tab: Tables, top: int, partners: list[int], 
     return best
 
 
+def settle(layout: Layout, packer: LevelPacker, deadline) -> tuple[int, int]:
+    """``layout``'s micro-batches re-packed at their smallest levels where that is faster
+    (:meth:`LevelPacker.repack`), then the local search (:func:`improve_layout`) and exchanges
+    (:func:`balance_groups`), in place, until ``deadline``. Returns (micro-batches re-packed,
+    exchanges made)."""
+    repacked = packer.repack(layout, deadline)
+    improve_layout(layout, packer.tab, deadline=deadline)
+    return repacked, sum(balance_groups(mb, packer.tab, deadline) for mb in layout)
+
+
 def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline, info: dict
            ) -> list[tuple[float, str, Layout]]:
     """Polish the search's layouts ``found`` (step ms, family, layout; best first) until
@@ -237,9 +247,9 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     for n_done, (ms, name, layout) in enumerate(found[:2]):
         end = until(0.8)
         share = end.capped(time.perf_counter() + max(end.left(), 0.0) / (2 - n_done))
-        info.setdefault("repacked", {})[name] = packer.repack(layout, share)
-        improve_layout(layout, tab, deadline=share)
-        info.setdefault("exchanged", {})[name] = sum(balance_groups(mb, tab, share) for mb in layout)
+        repacked, exchanged = settle(layout, packer, share)
+        info.setdefault("repacked", {})[name] = repacked
+        info.setdefault("exchanged", {})[name] = exchanged
         out.append((tab.step_ms(layout), name, layout))
     if out:
         k = min(range(len(out)), key=lambda j: out[j][0])
