@@ -40,8 +40,10 @@ def bin_sizes(tab: Tables) -> list[int]:
     return [d for d in tab.sizes if d <= node] or [min(tab.sizes)]
 
 
-def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: float = 1.0) -> Layout:
-    """A layout of ``tab``'s batch built as described in the module docstring.
+def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: float = 1.0,
+                 items: np.ndarray | None = None) -> Layout:
+    """A layout of ``tab``'s batch (or of the sequences ``items`` only) built as described in the
+    module docstring.
 
     ``bin_size``: GPUs of the open groups that sequences of at most that many GPUs' memory share
     (one of :func:`bin_sizes`). ``level`` (ms): a sequence that would not finish within it alone
@@ -60,7 +62,8 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
     room: list[int] = []      # free tokens per open group
     size: list[int] = []      # GPUs per open group before shrinking
     open_rooms: list[tuple[int, int]] = []  # (free tokens, group) of groups inside one node
-    for i in np.argsort(-lens, kind="stable").tolist():
+    items = np.arange(len(lens)) if items is None else np.asarray(items, dtype=np.int64)
+    for i in items[np.argsort(-lens[items], kind="stable")].tolist():
         s = int(lens[i])
         k = bisect.bisect_left(open_rooms, (s, -1))
         if k < len(open_rooms):

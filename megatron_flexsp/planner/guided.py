@@ -30,6 +30,7 @@ import numpy as np
 from megatron_flexsp.planner.layout import Group, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.polish import settle
+from megatron_flexsp.planner.search import groups_first_layouts
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.step_lp import Hint
 
@@ -69,14 +70,17 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
     """A layout of the whole batch rounded from ``hint`` (see the module docstring); ``bases``:
     the shelves' base levels (ms) for the sequences the explicit micro-batches leave; ``seeded``:
     the explicit micro-batches open groups for the hint's sequences first (else they are only
-    stuffed at the hint's levels). None when the deadline cuts the shelves short (they are not
-    finished in a hurry). The layout's groups are its own."""
+    stuffed at the hint's levels). After each explicit micro-batch the sequences left are also
+    laid out by groups first (:func:`~planner.search.groups_first_layouts`, milliseconds); after
+    the last one by shelves too, which are not finished in a hurry. The fastest of these layouts,
+    or None when ``deadline`` cut every one short. The layout's groups are its own."""
     tab = packer.tab
     n = len(tab.lens)
     taken = np.zeros(n, dtype=bool)
-    layout: Layout = []
+    heads: Layout = []
+    done: list[Layout] = []
     for level, singles in zip(hint.levels, hint.singles):
-        if taken.all():
+        if taken.all() or deadline.expired():
             break
         groups = _open_groups(packer, singles, level, taken) if seeded else []
         level = max(level, tab.mb_ms(groups))
@@ -85,19 +89,25 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
             break
         for g in groups:
             taken[g.seqs] = True
-        layout.append(groups)
+        heads.append(groups)
+        rest = np.flatnonzero(~taken)
+        if not len(rest):
+            done.append(_copy(tab, heads))
+            break
+        done += [_copy(tab, heads) + tail for tail in groups_first_layouts(tab, rest, deadline)]
     rest = np.flatnonzero(~taken)
     if len(rest):
         shelf = ShelfPlanner(packer)
-        best = None
         for score in SCORES:
             tail = shelf.layout(rest, bases, score, deadline, finish=False)
-            if tail is not None and (best is None or tab.step_ms(tail) < tab.step_ms(best)):
-                best = tail
-        if best is None:
-            return None
-        layout += best
-    return layout if layout else None
+            if tail is not None:
+                done.append(_copy(tab, heads) + tail)
+    return min(done, key=tab.step_ms) if done else None
+
+
+def _copy(tab, layout: Layout) -> Layout:
+    """``layout`` with groups of its own (the completions of one rounding share its head)."""
+    return [[tab.clone(g) for g in mb] for mb in layout]
 
 
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,

@@ -252,6 +252,32 @@ def first_levels(packer: LevelPacker, items: np.ndarray, lo: float, hi: float, g
     return sorted(set(level_grid(lo, hi, grid)) | {float(t) for t in times if t >= lo})
 
 
+def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> list[Layout]:
+    """Groups-first layouts of the sequences ``items`` (:mod:`planner.groups_first`), drained: the
+    best of open groups of one or two GPUs with sequences at their smallest size or, under a level
+    from a short grid above the hardest one's fastest finish, at the cheapest size finishing them
+    within it; and one with memory spread evenly over as many micro-batches as the plain packing
+    needed (when that leaves over 2% free). Milliseconds each; none once ``deadline`` has passed."""
+    crit = float(tab.critical_ms()[items].max())
+    packed = []
+    for level in [math.inf] + level_grid(crit, 3 * crit, 4):
+        for bin_size in bin_sizes(tab)[:2]:
+            if deadline.expired():
+                break
+            layout = groups_first(tab, bin_size, level, items=items)
+            packed.append((tab.step_ms(layout), len(packed), layout))
+    if not packed:
+        return []
+    chosen = [min(packed)[2]]
+    room = len(packed[0][2]) * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens
+    fill = int(tab.lens[items].sum()) / room
+    if fill < 0.98 and not deadline.expired():
+        chosen.append(groups_first(tab, bin_sizes(tab)[0], fill=fill, items=items))
+    for layout in chosen:
+        drain_micro_batches(layout, tab, deadline=deadline, tries=8)
+    return chosen
+
+
 def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float, deadline: Deadline,
                 grid: int = 8, times: dict | None = None) -> list[tuple[float, str, Layout]]:
     """Candidate layouts of the whole batch (see the module docstring), each with its step time
@@ -288,21 +314,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    their shortest micro-batches into the others' free memory
     #    (a quarter of the search's time at most, so the other families always get the rest)
     own = deadline.capped(time.perf_counter() + deadline.left() / 4)
-    packed = []
-    for level in [math.inf] + level_grid(crit, 3 * crit, 4):
-        for bin_size in bin_sizes(tab)[:2]:
-            if own.expired():
-                break
-            layout = groups_first(tab, bin_size, level)
-            packed.append((tab.step_ms(layout), len(packed), layout))
-    if packed:
-        chosen = [min(packed)[2]]
-        fill = int(tab.lens.sum()) / (len(packed[0][2]) * n_gpus * tab.cm.capacity_tokens)
-        if fill < 0.98 and not own.expired():
-            chosen.append(groups_first(tab, bin_sizes(tab)[0], fill=fill))
-        for layout in chosen:
-            drain_micro_batches(layout, tab, deadline=own, tries=8)
-            keep(layout, "groups-first")
+    for layout in groups_first_layouts(tab, items, own):
+        keep(layout, "groups-first")
     lo, hi = base_range(packer, m_min)
     # 1. shelves: each micro-batch at its own level, by both scores (a third of the time left)
     shelf = ShelfPlanner(packer)

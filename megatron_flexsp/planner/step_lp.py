@@ -61,12 +61,17 @@ class SolverTrouble(RuntimeError):
 
 
 class _Slow:
-    """The singles of one (part, size) whose coefficients depend on the level: in the row
+    """The columns of one (part, size) whose coefficients depend on the level: in the row
     counting slow ones one per group (``row``) and in the part's memory rows; ``update`` changes
-    only the coefficients that differ from the last probe."""
+    only the coefficients that differ from the last probe. Per column: ``work`` (ms; a bucket's
+    shortest member's), ``tokens`` (the column's), ``span`` (its longest sequence) and ``scale``
+    (sequences per unit of the column at least: 1 for a single, ``tokens / longest`` for a
+    bucket)."""
 
-    def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray) -> None:
+    def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray,
+                 span: np.ndarray, scale: np.ndarray) -> None:
         self.row, self.cols, self.work, self.tokens = row, cols.astype(np.int64), work, tokens
+        self.span, self.scale = span, scale
         self.last = {"slow": np.zeros(len(cols)), "mem": tokens.copy(), "total": tokens.copy()}
 
     def update(self, h: highspy.Highs, row: int, values: np.ndarray, key: str) -> None:
@@ -166,7 +171,9 @@ class _StepLP:
                         hi.append(c), hv.append(1.0 if single else tokens / longest)
                     if single:  # a sequence placed there needs at least one whole group
                         mdl.row(-math.inf, 0.0, [c, self.counts[p][d]], [1.0, -1.0])
-                        slow[p].setdefault(d, []).append((c, t, tokens))
+                        slow[p].setdefault(d, []).append((c, t, tokens, tokens, 1.0))
+                    else:  # members over half a group's time within the level: one per group
+                        slow[p].setdefault(d, []).append((c, t_alone, tokens, longest, tokens / longest))
                     alone[p][c] = t_alone + tab.fixed[d]
                     if not single:
                         shares[p][c] = finish_shares
@@ -255,11 +262,13 @@ class _StepLP:
             for d, sl in self.slow_rows[p].items():
                 room = level - tab.fixed[d]
                 heavy = 2.0 * sl.work > room
-                # a slow single's group (one per group) has under half its time left: the memory
+                # a slow sequence's group (one per group) has under half its time left: the memory
                 # that time cannot fill, at the least work per token, is lost to everything else
-                lost = np.where(heavy, np.maximum(0.0, tab.cap[d] - sl.tokens
+                # (per bucket member at least what its longest leaves after its shortest's work)
+                lost = np.where(heavy, np.maximum(0.0, tab.cap[d] - sl.span
                                                   - np.maximum(room - sl.work, 0.0) / self.rate[d]), 0.0)
-                sl.update(h, sl.row, _groups_needed(sl.work, room, heavy), "slow")
+                lost = lost * sl.scale
+                sl.update(h, sl.row, _groups_needed(sl.work, room, heavy) * sl.scale, "slow")
                 mem = sl.tokens + lost
                 sl.update(h, self.mem_rows[p][d], mem, "mem")
                 sl.update(h, self.total_mem_rows[p], mem, "total")

@@ -255,3 +255,32 @@ def test_refined_pooled_cap_matches_a_dense_scan():
         assert value >= scan * (1 - 2e-3) - 1e-6  # ... and as much
         raised += value > first * 1.005
     assert raised >= 2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_lp_bound_with_buckets_of_slow_sequences_is_valid(seed, monkeypatch):
+    """With few single sequences, buckets hold sequences too slow to share a group within the
+    level (their members count one group each, and the memory their groups cannot fill as used):
+    the bound still never passes the brute-force optimum, with one to three explicit
+    micro-batches, and proves most of it."""
+    import functools
+
+    from megatron_flexsp.planner import bound as bound_mod
+    from megatron_flexsp.planner.step_lp import bound_units
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from tests.unit.test_planner import brute_force_step_ms
+
+    rng = np.random.default_rng(300 + seed)
+    cm = tiny_cost_model(overhead_ms=float(rng.choice([1.0, 5.0])))
+    lens = np.concatenate([rng.integers(120, 300, size=int(rng.integers(2, 4))),
+                           rng.integers(10, 120, size=int(rng.integers(2, 4)))])
+    tab = Tables(lens, cm)
+    opt = brute_force_step_ms(tuple(int(x) for x in lens), cm)
+    single = int(rng.integers(0, 2))
+    monkeypatch.setattr(bound_mod, "bound_units",
+                        functools.partial(bound_units, max_single=single, num_buckets=2))
+    assert any(not s for _, s in bound_mod.bound_units(tab))
+    r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=1500, max_extra=6 - min_micro_batches(tab),
+                      max_explicit=3, switch_after=100)
+    assert r.bound_ms <= opt * (1 + 1e-6), (lens.tolist(), single, r.bound_ms, opt)
+    assert r.bound_ms >= 0.7 * opt, (lens.tolist(), r.bound_ms, opt)
