@@ -361,6 +361,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             break
         if estimate >= best:
             continue
+        for tail in groups_first_layouts(tab, left, own):  # the rest packed by memory
+            keep([[tab.clone(g) for g in first]] + tail, "stuffed+groups")
         for m in (m_rest, m_rest + 1):
             rest = split_pack(packer, left, m, own, give_up_ms=best * (1 + PRUNE) - tab.mb_ms(first))
             if rest is not None:
