@@ -284,3 +284,24 @@ def test_lp_bound_with_buckets_of_slow_sequences_is_valid(seed, monkeypatch):
                       max_explicit=3, switch_after=100)
     assert r.bound_ms <= opt * (1 + 1e-6), (lens.tolist(), single, r.bound_ms, opt)
     assert r.bound_ms >= 0.7 * opt, (lens.tolist(), r.bound_ms, opt)
+
+
+def test_bucketed_documents_too_slow_to_share_a_group_count_one_each():
+    """Bimodal documents on 1024 GPUs (8,192 per step, about 40 of 128-196K tokens, more than the
+    LP's 24 singles): with every micro-batch explicit, the LP once put two bucketed 196K documents
+    in one group of 64 within a level where each alone takes over half the group's time (bound
+    17.66 s against plans of 19.6 s). Counting such bucket members one group each, and the memory
+    their groups cannot fill, proves over 18.5 s."""
+    from megatron_flexsp.planner.bound import step_bound
+    from megatron_flexsp.sim.corpora import synthetic_lengths
+    from megatron_flexsp.sim.workloads import sample_batches
+    from tests.unit.test_packing import _paper_cluster
+
+    cm = _paper_cluster(1024)
+    batch = sample_batches(synthetic_lengths("bimodal", seed=1), global_batch=8192, num_batches=2, seed=0,
+                           max_seq_len=196608)[0][1]
+    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
+    assert int((tab.lens >= 131072).sum()) > 24
+    r = step_bound(tab, 3, target_ms=19561.0, t1_lo=float(tab.critical_ms().max()), max_solves=400,
+                   explicit=3)
+    assert r.bound_ms >= 18500.0, r
