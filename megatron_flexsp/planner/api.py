@@ -197,13 +197,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["search_family_s"] = {}
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
-                        deadline=_phase(deadline, cfg, 0.36), times=info["search_family_s"]) + rounded
+                        deadline=_phase(deadline, cfg, 0.42), times=info["search_family_s"]) + rounded
     found.sort(key=lambda c: c[0])
     families: dict[str, float] = {}
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    local = _phase(deadline, cfg, 0.56)
+    local = _phase(deadline, cfg, 0.62)
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
@@ -225,7 +225,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.73),
+                           deadline=_phase(deadline, cfg, 0.79),
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
                            hints=GUIDED_HINTS)

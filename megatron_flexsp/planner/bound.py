@@ -20,7 +20,8 @@ import numpy as np
 
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
-from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP, bound_units
+from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP
 from megatron_flexsp.utils.logging import get_logger
 
 __all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
@@ -264,3 +265,22 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     best = min([s.bound for s in found.values()] + [beyond, target_ms])
     return BoundResult(m_min + max_extra, best, solves, sum(len(s.heap) for s in found.values()),
                        hints=tuple(placed))
+
+
+def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:
+    """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
+    the others as length buckets (cut at every size's memory capacity)."""
+    order = np.argsort(-tab.critical_ms(), kind="stable")
+    singles = [int(i) for i in order[:max_single]]
+    rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
+    cm = tab.cm
+    buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
+                           a_lin=cm.coeffs.a_lin_ms_per_token,
+                           cuts=_heavy_cuts(tab))
+    return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+def _heavy_cuts(tab: Tables) -> tuple[int, ...]:
+    """Bucket boundaries: every size's memory capacity and half of it (a bucket of sequences over
+    half a group's memory then counts at least ``tokens / longest`` sequences needing a group each)."""
+    return tuple(sorted({int(tab.cap[d]) // k for d in tab.sizes for k in (1, 2)}))

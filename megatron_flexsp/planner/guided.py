@@ -66,13 +66,13 @@ def _open_groups(packer: LevelPacker, singles: tuple[tuple[int, int], ...], leve
 
 
 def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
-                  seeded: bool = True) -> Layout | None:
+                  seeded: bool = True, shelves: bool = True) -> Layout | None:
     """A layout of the whole batch rounded from ``hint`` (see the module docstring); ``bases``:
     the shelves' base levels (ms) for the sequences the explicit micro-batches leave; ``seeded``:
     the explicit micro-batches open groups for the hint's sequences first (else they are only
     stuffed at the hint's levels). After each explicit micro-batch the sequences left are also
     laid out by groups first (:func:`~planner.search.groups_first_layouts`, milliseconds); after
-    the last one by shelves too, which are not finished in a hurry. The fastest of these layouts,
+    the last one by ``shelves`` too, which are not finished in a hurry. The fastest of these layouts,
     or None when ``deadline`` cut every one short. The layout's groups are its own."""
     tab = packer.tab
     n = len(tab.lens)
@@ -96,7 +96,7 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
             break
         done += [_copy(tab, heads) + tail for tail in groups_first_layouts(tab, rest, deadline)]
     rest = np.flatnonzero(~taken)
-    if len(rest):
+    if shelves and len(rest):
         shelf = ShelfPlanner(packer)
         for score in SCORES:
             tail = shelf.layout(rest, bases, score, deadline, finish=False)
@@ -113,7 +113,8 @@ def _copy(tab, layout: Layout) -> Layout:
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,
                       upper_ms: float = math.inf, slack: float = 0.05) -> list[tuple[float, str, Layout]]:
     """Layouts rounded from ``hints`` (lowest LP value first; each seeded, then only stuffed at
-    its levels) in the first half of the time to ``deadline``; the best, if at most ``slack``
+    its levels; all with the rest packed groups first, then with shelves too) in the first half
+    of the time to ``deadline``; the best, if at most ``slack``
     slower than ``upper_ms``, then drains its shortest micro-batches, is re-packed at its smallest
     levels, searched locally and its groups evened out by exchanges
     (:func:`~planner.polish.settle`) in the rest.
@@ -123,13 +124,14 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
         return []
     half = deadline.capped(time.perf_counter() + deadline.left() / 2)
     out = []
-    for hint in hints:
-        for seeded in (True, False):
-            if half.expired():
-                break
-            layout = guided_layout(packer, hint, bases, half, seeded)
-            if layout is not None:
-                out.append((tab.step_ms(layout), layout))
+    for shelves in (False, True):  # every rounding with its quick rests first, then with shelves
+        for hint in hints:
+            for seeded in (True, False):
+                if half.expired():
+                    break
+                layout = guided_layout(packer, hint, bases, half, seeded, shelves)
+                if layout is not None:
+                    out.append((tab.step_ms(layout), layout))
     if not out:
         return []
     ms, layout = min(out, key=lambda c: c[0])

@@ -13,8 +13,9 @@ per micro-batch):
   at the level ``max(T, fastest finish of its hardest remaining sequence)``; ``T`` runs over a
   geometric grid and is then refined around the best point. In good plans every micro-batch but
   the last has about the same makespan, which is what one common level gives.
-* **stuffed first, split rest**: the first micro-batch stuffed at a level ``T1`` from a small grid
-  above the longest sequence's fastest finish, the rest split as below into ``m - 1``.
+* **stuffed first, split rest** (or **packed groups first**): the first micro-batch stuffed at a
+  level ``T1`` from a small grid above the longest sequence's fastest finish, the rest split as
+  below into ``m - 1``, or packed by memory as in the first family (where memory sets the count).
 * **balanced split** into ``m`` micro-batches: sequences heaviest first (least GPU-time over the sizes
   that hold them) to the lightest micro-batch with token room, then each micro-batch packed at its
   smallest level (bisection). This mixes long and short sequences in every micro-batch, so memory
@@ -342,7 +343,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
                 break
             keep(common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE)), "level")
     # 3. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
-    #    rest split at its memory minimum (one more when that does not pack); the levels are tried
+    #    rest packed groups first and split at its memory minimum (one more when that does not
+    #    pack); the levels are tried
     #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound);
     #    two thirds of the time left, the rest for the balanced split
     own = deadline.capped(time.perf_counter() + deadline.left() * 2 / 3)

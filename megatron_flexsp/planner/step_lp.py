@@ -31,7 +31,6 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _Model
 
@@ -388,22 +387,3 @@ def _groups_needed(work: np.ndarray, room: float, heavy: np.ndarray) -> np.ndarr
     w_star = float(work[fits].min())
     middle = ~heavy & (work > room - w_star + 1e-9 * room)
     return np.where(heavy, 1.0, np.where(middle, work / room, 0.0))
-
-
-def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:
-    """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
-    the others as length buckets (cut at every size's memory capacity)."""
-    order = np.argsort(-tab.critical_ms(), kind="stable")
-    singles = [int(i) for i in order[:max_single]]
-    rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
-    cm = tab.cm
-    buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
-                           a_lin=cm.coeffs.a_lin_ms_per_token,
-                           cuts=_heavy_cuts(tab))
-    return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
-
-
-def _heavy_cuts(tab: Tables) -> tuple[int, ...]:
-    """Bucket boundaries: every size's memory capacity and half of it (a bucket of sequences over
-    half a group's memory then counts at least ``tokens / longest`` sequences needing a group each)."""
-    return tuple(sorted({int(tab.cap[d]) // k for d in tab.sizes for k in (1, 2)}))

@@ -232,7 +232,8 @@ def test_refined_pooled_cap_matches_a_dense_scan():
     the scan), and never more: every probe's value is a valid bound, so the scan's best is the
     reference. On these boxes refining raises the first probe's value by 1-4%."""
     from megatron_flexsp.planner.heuristics import min_micro_batches
-    from megatron_flexsp.planner.step_lp import _StepLP, bound_units
+    from megatron_flexsp.planner.bound import bound_units
+    from megatron_flexsp.planner.step_lp import _StepLP
     from tests.unit.test_packing import _batch, _paper_cluster
 
     cm = _paper_cluster(64)
@@ -266,7 +267,7 @@ def test_lp_bound_with_buckets_of_slow_sequences_is_valid(seed, monkeypatch):
     import functools
 
     from megatron_flexsp.planner import bound as bound_mod
-    from megatron_flexsp.planner.step_lp import bound_units
+    from megatron_flexsp.planner.bound import bound_units
     from megatron_flexsp.planner.heuristics import min_micro_batches
     from tests.unit.test_planner import brute_force_step_ms
 
