@@ -189,12 +189,13 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
     ``max_extra`` more, with the slowest micro-batch explicit; the count whose bound is lowest is
-    refined, box by box, until ``max_solves`` LP solves or ``deadline``. A count whose search has
+    refined, box by box, until ``max_solves`` LP solves or ``deadline``. A count's search is
+    built only once its floor (the simple bound or ``count_floor``) is the lowest bound left. A count whose search has
     converged, or has taken ``switch_after`` solves, is searched again with one more explicit
     micro-batch (up to ``max_explicit``), within the slowest makespans still open and above the
     bound already proven. Plans with even more micro-batches are bounded by ``m f_min + GPU-time /
     N``, which grows with m. ``target_ms`` (the best plan) caps the result. Past ``deadline`` the
-    counts not reached get that simple bound, so the result stays valid. ``count_floor``: bounds
+    counts not reached keep their floors, so the result stays valid. ``count_floor``: bounds
     already proven for plans of a given count (e.g. the slot bound's, :mod:`planner.slot_bound`),
     ``beyond_floor``: one for every count past those searched; each raises what it covers.
     ``hints``: the relaxed placements of up to this many counts still open (one solve each, after
@@ -215,31 +216,43 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         return _CountSearch(tab, m, units, target_ms=target_ms, rel_tol=rel_tol, deadline=deadline, **kw)
 
     found: dict[int, _CountSearch] = {}
+    # counts not searched yet, at a bound already proven for them; a count's LP is built only once
+    # it is the lowest (each costs a build and a solve from scratch: most of a short budget)
+    waiting: dict[int, float] = {}
     beyond = max(simple(m_min + max_extra + 1), beyond_floor)
-    spent = 0  # solves of searches replaced by ones with more explicit micro-batches
     for m in range(m_min, m_min + max_extra + 1):
         if simple(m) >= target_ms:
             beyond = target_ms
             break
-        if _late(deadline):  # this count and all larger ones: the simple bound
-            beyond = simple(m)
-            break
-        try:
-            found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=max(simple(m), floors.get(m, 0.0)))
-        except SolverTrouble as exc:  # this count and all larger ones: the simple bound
-            log.warning("%s; using the simple bound for %d or more micro-batches", exc, m)
-            beyond = simple(m)
-            break
+        waiting[m] = max(simple(m), floors.get(m, 0.0))
+    spent = 0  # solves of searches replaced by ones with more explicit micro-batches
+
+    def lowest() -> tuple[int, float]:
+        values = {c: s.bound for c, s in found.items()} | waiting
+        m = min(values, key=lambda c: (values[c], c))
+        return m, values[m]
+
     try:
-        while found and not _late(deadline):
-            m = min(found, key=lambda c: found[c].bound)
-            cur = found[m]
+        while (found or waiting) and not _late(deadline):
+            m, value = lowest()
             # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
-            if cur.bound >= target_ms * (1 - rel_tol) or (cur.bound >= beyond and not hints):
+            if value >= target_ms * (1 - rel_tol) or (value >= beyond and not hints):
                 break
             used = sum(s.solves for s in found.values()) + spent
             if used >= max_solves:
                 break
+            if m in waiting:
+                try:
+                    found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=waiting[m])
+                except SolverTrouble as exc:  # this count and all larger ones keep their floors
+                    log.warning("%s; using the simple bound (or a floor proven for it) for %d or more "
+                                "micro-batches", exc, m)
+                    beyond = min(beyond, min(v for c, v in waiting.items() if c >= m))
+                    waiting = {c: v for c, v in waiting.items() if c < m}
+                    continue
+                del waiting[m]
+                continue
+            cur = found[m]
             if cur.done() or cur.solves >= switch_after * cur.k:
                 if cur.k >= min(max_explicit, m):
                     if cur.done():
@@ -262,7 +275,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         if hint is not None:
             placed.append(hint)
     solves = sum(s.solves for s in found.values()) + spent
-    best = min([s.bound for s in found.values()] + [beyond, target_ms])
+    best = min([s.bound for s in found.values()] + list(waiting.values()) + [beyond, target_ms])
     return BoundResult(m_min + max_extra, best, solves, sum(len(s.heap) for s in found.values()),
                        hints=tuple(placed))
 

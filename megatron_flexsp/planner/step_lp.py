@@ -132,14 +132,16 @@ class _StepLP:
         s0 = 1024
         quad = {d: float(cm.seq_time_ms(np.array([2 * s0]), d)[0] - 2 * cm.seq_time_ms(np.array([s0]), d)[0])
                 / (2.0 * s0 * s0) for d in sizes}
-        # least work per token of anything on each size (a bucket at its shortest member's rate)
+        # each unit's shortest sequence alone on each size (ms, one cost-model call per size), and
+        # the least work per token of anything on each size (a bucket at its shortest's rate)
+        los = np.array([int(tab.lens[members].min()) for members, _ in units], dtype=np.int64)
+        his = np.array([int(tab.lens[members].max()) for members, _ in units], dtype=np.int64)
+        lo_time = {d: cm.seq_time_ms(los, d).tolist() for d in sizes}
         self.rate: dict[int, float] = {}
-        for members, _ in units:
-            lo = int(tab.lens[members].min())
-            for d in sizes:
-                if int(tab.lens[members].max()) <= tab.cap[d]:
-                    r = float(cm.seq_time_ms(np.array([lo]), d)[0]) / lo
-                    self.rate[d] = min(self.rate.get(d, math.inf), r)
+        for d in sizes:
+            fits = his <= tab.cap[d]
+            if fits.any():
+                self.rate[d] = float((np.array(lo_time[d]) / los)[fits].min())
         self.place: list[tuple[int, int, int, int]] = []  # (unit, part, size, column) placements
         for u, (members, single) in enumerate(units):
             tokens = float(tab.lens[members].sum())
@@ -156,7 +158,7 @@ class _StepLP:
                 if single:
                     t_alone = t = float(tab.time[d][members[0]])
                 else:  # fluid bucket at its shortest member's rate
-                    t_alone = float(cm.seq_time_ms(np.array([lo]), d)[0])
+                    t_alone = lo_time[d][u]
                     t = t_alone / lo * tokens
                     fin = tab.time[d][members] + tab.fixed[d]
                     by = np.argsort(fin, kind="stable")
