@@ -306,3 +306,32 @@ def test_bucketed_documents_too_slow_to_share_a_group_count_one_each():
     r = step_bound(tab, 3, target_ms=19561.0, t1_lo=float(tab.critical_ms().max()), max_solves=400,
                    explicit=3)
     assert r.bound_ms >= 18500.0, r
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_count_is_searched_only_once_its_floor_is_the_lowest(seed, monkeypatch):
+    """Given each count's exact optimum as its floor, the bound builds the LP of a micro-batch
+    count only when that floor is at or below the bound it ends with (the others keep their
+    floors, valid as they are), and the result never passes the optimum."""
+    from megatron_flexsp.planner import bound as bound_mod
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm, lens, opt = many_micro_batch_instance(seed)
+    tab = Tables(np.asarray(lens), cm)
+    m0 = min_micro_batches(tab)
+    floors = {c: brute_force_step_ms(tuple(int(x) for x in lens), cm, count=c) for c in range(m0, m0 + 3)}
+    built = []
+
+    class Counting(bound_mod._CountSearch):
+        def __init__(self, tab, m, *args, **kw):
+            built.append(m)
+            super().__init__(tab, m, *args, **kw)
+
+    monkeypatch.setattr(bound_mod, "_CountSearch", Counting)
+    r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=300, max_extra=2, count_floor=floors)
+    assert r.bound_ms <= opt * (1 + 1e-6)
+    for c in set(built):
+        assert floors[c] <= r.bound_ms * (1 + 1e-9), (c, floors, r.bound_ms)
+    skipped = set(range(m0, m0 + 3)) - set(built)
+    assert all(floors[c] >= r.bound_ms * (1 - 1e-9) for c in skipped)
