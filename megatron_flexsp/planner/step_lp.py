@@ -18,7 +18,9 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   tokens within ``(m-k) N C``, and each individual sequence's own time within ``R``.
 
 Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
-reality, so still a relaxation). The LP is built once per count; a probe changes only the
+reality, so still a relaxation); a bucket whose shortest member's work is over half of
+``b_p - f_d`` counts ``tokens / longest`` slow sequences per unit placed (every member is slow, and
+at least that many are placed). The LP is built once per count; a probe changes only the
 coefficients and bounds that depend on a level that moved, and re-solves from a basis (the last
 one, or the parent box's: :meth:`_StepLP.start_from`).
 """
