@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, drain_micro_batches
+from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.polish import settle
 from megatron_flexsp.planner.search import groups_first_layouts
@@ -92,7 +92,7 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
         heads.append(groups)
         rest = np.flatnonzero(~taken)
         if not len(rest):
-            done.append(_copy(tab, heads))
+            done.append(heads)  # nothing left: no other completion shares these groups
             break
         done += [_copy(tab, heads) + tail for tail in groups_first_layouts(tab, rest, deadline)]
     rest = np.flatnonzero(~taken)
@@ -105,7 +105,7 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
     return min(done, key=tab.step_ms) if done else None
 
 
-def _copy(tab, layout: Layout) -> Layout:
+def _copy(tab: Tables, layout: Layout) -> Layout:
     """``layout`` with groups of its own (the completions of one rounding share its head)."""
     return [[tab.clone(g) for g in mb] for mb in layout]
 
@@ -114,10 +114,9 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
                       upper_ms: float = math.inf, slack: float = 0.05) -> list[tuple[float, str, Layout]]:
     """Layouts rounded from ``hints`` (lowest LP value first; each seeded, then only stuffed at
     its levels; all with the rest packed groups first, then with shelves too) in the first half
-    of the time to ``deadline``; the best, if at most ``slack``
-    slower than ``upper_ms``, then drains its shortest micro-batches, is re-packed at its smallest
-    levels, searched locally and its groups evened out by exchanges
-    (:func:`~planner.polish.settle`) in the rest.
+    of the time to ``deadline``; the best, if at most ``slack`` slower than ``upper_ms``, then
+    drains its shortest micro-batches, is re-packed at its smallest levels, searched locally and
+    its groups evened out by exchanges (:func:`~planner.polish.settle`) in the rest.
     Returns it with its step time (ms) and family name when it is then faster than ``upper_ms``."""
     tab = packer.tab
     if deadline.expired():

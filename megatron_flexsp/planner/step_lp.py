@@ -138,12 +138,12 @@ class _StepLP:
         # the least work per token of anything on each size (a bucket at its shortest's rate)
         los = np.array([int(tab.lens[members].min()) for members, _ in units], dtype=np.int64)
         his = np.array([int(tab.lens[members].max()) for members, _ in units], dtype=np.int64)
-        lo_time = {d: cm.seq_time_ms(los, d).tolist() for d in sizes}
+        lo_time = {d: cm.seq_time_ms(los, d) for d in sizes}
         self.rate: dict[int, float] = {}
         for d in sizes:
             fits = his <= tab.cap[d]
             if fits.any():
-                self.rate[d] = float((np.array(lo_time[d]) / los)[fits].min())
+                self.rate[d] = float((lo_time[d] / los)[fits].min())
         self.place: list[tuple[int, int, int, int]] = []  # (unit, part, size, column) placements
         for u, (members, single) in enumerate(units):
             tokens = float(tab.lens[members].sum())
@@ -160,7 +160,7 @@ class _StepLP:
                 if single:
                     t_alone = t = float(tab.time[d][members[0]])
                 else:  # fluid bucket at its shortest member's rate
-                    t_alone = lo_time[d][u]
+                    t_alone = float(lo_time[d][u])
                     t = t_alone / lo * tokens
                     fin = tab.time[d][members] + tab.fixed[d]
                     by = np.argsort(fin, kind="stable")
