@@ -283,17 +283,30 @@ def _drain(layout: list[list[Group]], tab: Tables, v: int, spans: list[float], f
     level, free = list(spans), list(free)
     moves, raised = [], 0.0
     items = sorted(((i, g) for g in layout[v] for i in g.seqs), key=lambda x: (-int(tab.lens[x[0]]), x[0]))
+    fixed, time_l, lens_l = tab.fixed, tab._time_l, tab._lens_l
     for i, src in items:
         if deadline is not None and deadline.expired():
             break
-        best, best_key = None, None
+        size_i = lens_l[i]
+        # each class's least load (its heap's top; a stale entry only understates it) bounds the
+        # finish it can offer: classes are probed in the order of that bound until it exceeds the
+        # best finish found, which gives the same choice as probing every class
+        hopes = []
         for key in keys:
-            if free[key[0]] < tab.lens[i]:
+            heap = index.heaps[key]
+            if free[key[0]] < size_i or not heap:
                 continue  # no group of that micro-batch has room
+            t = fixed[key[1]] + heap[0][0] + time_l[key[1]][i]
+            hopes.append((max(0.0, t - level[key[0]]), t, key))
+        hopes.sort()
+        best, best_key = None, None
+        for raise_lo, t_lo, key in hopes:
+            if best_key is not None and (raise_lo, t_lo) > best_key[:2]:
+                break
             g = index.best_fit(key, i, max_probes=16)
             if g is None:
                 continue
-            t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
+            t = fixed[g.size] + g.load_ms + time_l[g.size][i]
             k = (max(0.0, t - level[key[0]]), t, g.uid)
             if best_key is None or k < best_key:
                 best, best_key = (key[0], g), k

@@ -215,6 +215,81 @@ def test_drain_empties_a_short_micro_batch_into_free_memory():
     assert [[g.tokens for g in mb] for mb in layout] == [[100] * 4, [30]]
 
 
+def _drain_reference(layout, tab, v):
+    """Emptying micro-batch ``v`` as :func:`drain_micro_batches` defines it, by brute force: each
+    sequence, longest first, to the group of another micro-batch with memory room that raises that
+    micro-batch's makespan least (then finishes first, then was made first); kept when the raises
+    sum to less than ``v``'s makespan. Returns the moves (sequence, group uid), or None."""
+    spans = [tab.mb_ms(mb) for mb in layout]
+    level = list(spans)
+    load = {g.uid: (g.load_ms, g.tokens) for j, mb in enumerate(layout) if j != v for g in mb}
+    where = {g.uid: (j, g) for j, mb in enumerate(layout) if j != v for g in mb}
+    items = sorted((i for g in layout[v] for i in g.seqs), key=lambda i: (-int(tab.lens[i]), i))
+    moves, raised = [], 0.0
+    for i in items:
+        options = []
+        for uid, (j, g) in where.items():
+            ms, tokens = load[uid]
+            if tokens + tab.lens[i] <= tab.cap[g.size]:
+                t = tab.fixed[g.size] + ms + float(tab.time[g.size][i])
+                options.append((max(0.0, t - level[j]), t, uid))
+        if not options:
+            return None
+        rise, t, uid = min(options)
+        if raised + rise >= spans[v]:
+            return None
+        j, g = where[uid]
+        load[uid] = (load[uid][0] + float(tab.time[g.size][i]), load[uid][1] + int(tab.lens[i]))
+        raised += rise
+        level[j] = max(level[j], t)
+        moves.append((i, uid))
+    return moves
+
+
+def test_drain_moves_each_sequence_where_it_raises_a_makespan_least():
+    """On random layouts (groups of 1, 2 and 4 GPUs) a micro-batch is emptied exactly when, and
+    exactly as, the brute-force rule says: the drain probes only the classes whose least load
+    could still beat the best found, which must not change a single choice."""
+    from megatron_flexsp.planner.layout import _drain
+
+    rng = np.random.default_rng(7)
+    cm = tiny_cost_model(num_gpus=16, gpus_per_node=4, capacity_tokens=100, overhead_ms=20.0)
+    emptied = kept = 0
+    for _ in range(80):
+        lens = rng.integers(5, 90, size=int(rng.integers(12, 40)))  # any one fits a single GPU
+        tab = Tables(lens, cm)
+        layout, pos = [], 0
+        while pos < len(lens):
+            mb, free = [], 16
+            while free and pos < len(lens):
+                g = Group(int(rng.choice([d for d in (1, 2, 4) if d <= free])))
+                tab.add(g, pos)
+                pos += 1
+                while pos < len(lens) and tab.fits(g, pos) and rng.random() < 0.7:
+                    tab.add(g, pos)
+                    pos += 1
+                mb.append(g)
+                free -= g.size
+            layout.append(mb)
+        if len(layout) < 2:
+            continue
+        v = int(rng.integers(len(layout)))
+        spans = [tab.mb_ms(mb) for mb in layout]
+        free = [sum(int(tab.cap[g.size]) - g.tokens for g in mb) for mb in layout]
+        want = _drain_reference(layout, tab, v)
+        uids = {g.uid: g for mb in layout for g in mb}
+        before = [[list(g.seqs) for g in mb] for mb in layout]
+        assert _drain(layout, tab, v, spans, free, None) == (want is not None)
+        if want is None:
+            assert [[list(g.seqs) for g in mb] for mb in layout] == before
+            kept += 1
+            continue
+        emptied += 1
+        for i, uid in want:
+            assert i in uids[uid].seqs
+    assert emptied >= 10 and kept >= 10
+
+
 def test_drain_keeps_a_micro_batch_whose_moves_would_cost_more_than_it():
     """Five 40-token sequences: moving the fifth onto a loaded GPU of the first micro-batch raises
     it by more than the second micro-batch costs only if the fixed cost is small; with no fixed
