@@ -63,8 +63,10 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
     size: list[int] = []      # GPUs per open group before shrinking
     open_rooms: list[tuple[int, int]] = []  # (free tokens, group) of groups inside one node
     items = np.arange(len(lens)) if items is None else np.asarray(items, dtype=np.int64)
+    lens_l, time_l, fixed, min_size = tab._lens_l, tab._time_l, tab.fixed, tab.min_size
+    bin_cap = tab.cap[bin_size]
     for i in items[np.argsort(-lens[items], kind="stable")].tolist():
-        s = int(lens[i])
+        s = lens_l[i]
         k = bisect.bisect_left(open_rooms, (s, -1))
         if k < len(open_rooms):
             _, g = open_rooms.pop(k)
@@ -72,10 +74,10 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
             room[g] -= s
             bisect.insort(open_rooms, (room[g], g))
             continue
-        d = bin_size if s <= tab.cap[bin_size] else int(tab.min_size[i])
-        if tab.fixed[d] + float(tab.time[d][i]) > level:  # too slow there: the cheapest size within
-            fast = [x for x in tab.sizes if x > d and tab.fixed[x] + float(tab.time[x][i]) <= level]
-            d = min(fast, key=lambda x: x * float(tab.time[x][i])) if fast else max(tab.sizes)
+        d = bin_size if s <= bin_cap else int(min_size[i])
+        if fixed[d] + time_l[d][i] > level:  # too slow there: the cheapest size within
+            fast = [x for x in tab.sizes if x > d and fixed[x] + time_l[x][i] <= level]
+            d = min(fast, key=lambda x: x * time_l[x][i]) if fast else max(tab.sizes)
         g = len(contents)
         contents.append([i])
         room.append(max(int(fill * tab.cap[d]) - s, 0))
@@ -116,11 +118,14 @@ def pack_at_sizes(tab: Tables, sizes: np.ndarray) -> Layout:
 def _shrunk(tab: Tables, contents: list[list[int]], size: list[int]) -> list[Group]:
     """Groups of the given members, each at the smallest size up to ``size`` holding its tokens."""
     groups = []
+    lens_l, time_l = tab._lens_l, tab._time_l
     for g, members in enumerate(contents):
-        tokens = int(tab.lens[members].sum())
-        grp = Group(min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens))
-        for i in members:
-            tab.add(grp, i)
+        tokens = sum(lens_l[i] for i in members)
+        d = min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens)
+        times = time_l[d]
+        grp = Group(d, list(members), 0.0, tokens)
+        for i in members:  # summed in order, as Tables.add does
+            grp.load_ms += times[i]
         groups.append(grp)
     return groups
 

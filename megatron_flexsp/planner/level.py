@@ -117,17 +117,21 @@ class LevelPacker:
                 return None
             cls = [Group(d) for _ in range(need)]
             heap = [(0.0, k) for k in range(need)]
+            cap, lens, time_l = tab.cap[d], self.lens_l, self.time_l
             for i in mine[order].tolist():
-                t = self.time_l[i][r]
+                t, s_i = time_l[i][r], lens[i]
                 popped, placed = [], False
                 while heap and len(popped) < _MAX_PROBES:
                     load, k = heapq.heappop(heap)
                     if load + t > room + 1e-9:
                         popped.append((load, k))
                         break  # least-loaded cannot take it: none can
-                    if tab.fits(cls[k], i):
-                        tab.add(cls[k], i)
-                        heapq.heappush(heap, (cls[k].load_ms, k))
+                    g = cls[k]
+                    if g.tokens + s_i <= cap:  # Tables.fits and Tables.add, inlined
+                        g.seqs.append(i)
+                        g.load_ms += t
+                        g.tokens += s_i
+                        heapq.heappush(heap, (g.load_ms, k))
                         placed = True
                         break
                     popped.append((load, k))
@@ -136,8 +140,7 @@ class LevelPacker:
                 if not placed:
                     if used + (len(cls) + 1) * d > self.n_gpus:
                         return None
-                    g = Group(d)
-                    tab.add(g, i)
+                    g = Group(d, [i], t, s_i)
                     cls.append(g)
                     heapq.heappush(heap, (g.load_ms, len(cls) - 1))
             used += len(cls) * d
@@ -241,50 +244,54 @@ class LevelPacker:
         order = items[np.argsort(-self.critical[items], kind="stable")].tolist()
         # per size: groups by load (least first) and, once one refused an item for memory, by free
         # tokens (most first); each group leaves the load heap at most once, so this is O(n log n)
-        by_load: dict[int, list] = {}
-        by_room: dict[int, list] = {}
+        by_load: list[list] = [[] for _ in self.sizes_l]  # per size row
+        by_room: list[list] = [[] for _ in self.sizes_l]
         made: list[Group] = list(seed or ())
         for g in made:
-            heapq.heappush(by_load.setdefault(self.row_of[g.size], []), (g.load_ms, g.uid, g))
+            heapq.heappush(by_load[self.row_of[g.size]], (g.load_ms, g.uid, g))
         free = self.n_gpus - sum(g.size for g in made)
         left = []
         refused = 0
         token_room = free * tab.cm.capacity_tokens + sum(tab.cap[g.size] - g.tokens for g in made)
         shortest = int(lens_min[items].min()) if len(items) else 0
+        sizes, row_order, total_l, time_l = self.sizes_l, self.row_order, self.total_l, self.time_l
+        caps = [cap[d] for d in sizes]
+        rooms = [level - f + 1e-9 for f in self.fixed_l]  # each size's time within the level
         for pos, i in enumerate(order):
             if (refused >= _FULL_AFTER and free == 0) or token_room < shortest:
                 left += order[pos:]
                 break
-            tot, tim = self.total_l[i], self.time_l[i]
+            tot, tim, s_i = total_l[i], time_l[i], lens[i]
             placed = False
-            for r in self.row_order[i]:
+            for r in row_order[i]:
                 if tot[r] > level:
                     continue
-                d = self.sizes_l[r]
-                room = level - self.fixed_l[r]
-                t = tim[r]
-                heap = by_load.setdefault(r, [])
-                while heap and heap[0][0] + t <= room + 1e-9:
+                d, c, room, t = sizes[r], caps[r], rooms[r], tim[r]
+                heap = by_load[r]
+                while heap and heap[0][0] + t <= room:
                     g = heap[0][2]
-                    if g.tokens + lens[i] <= cap[d]:
-                        tab.add(g, i)
+                    if g.tokens + s_i <= c:
+                        g.seqs.append(i)
+                        g.load_ms += t
+                        g.tokens += s_i
                         heapq.heapreplace(heap, (g.load_ms, g.uid, g))
                         placed = True
                         break
                     heapq.heappop(heap)
-                    heapq.heappush(by_room.setdefault(r, []), (g.tokens - cap[d], g.uid, g))
+                    heapq.heappush(by_room[r], (g.tokens - c, g.uid, g))
                 if not placed:
-                    side = by_room.get(r)
-                    if side and -side[0][0] >= lens[i] and side[0][2].load_ms + t <= room + 1e-9:
+                    side = by_room[r]
+                    if side and -side[0][0] >= s_i and side[0][2].load_ms + t <= room:
                         g = side[0][2]
-                        tab.add(g, i)
-                        heapq.heapreplace(side, (g.tokens - cap[d], g.uid, g))
+                        g.seqs.append(i)
+                        g.load_ms += t
+                        g.tokens += s_i
+                        heapq.heapreplace(side, (g.tokens - c, g.uid, g))
                         placed = True
                 if placed:
                     break
                 if free >= d:
-                    g = Group(d)
-                    tab.add(g, i)
+                    g = Group(d, [i], t, s_i)
                     made.append(g)
                     heapq.heappush(heap, (g.load_ms, g.uid, g))
                     free -= d
