@@ -168,3 +168,31 @@ def test_bucket_cuts_are_respected():
         vals = lens[mem]
         for c in (100, 200):
             assert vals.max() <= c or vals.min() > c
+
+
+def test_paired_benchmark_pairs_each_batch_with_the_baseline_run(tmp_path):
+    """``scripts/bench_planner_paired.py`` on one small cell: the rows it writes, and with
+    ``--baseline`` the paired columns (or, against another cell's run, that nothing pairs)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_planner_paired.py"
+
+    def run(cells, out, *extra):
+        md = tmp_path / (out + ".md")
+        subprocess.run([sys.executable, str(script), "--cells", cells, "--batches", "2", "--budgets", "0.2,0.4",
+                        "--out", str(tmp_path / (out + ".json")), "--md", str(md), *extra],
+                       check=True, capture_output=True, text=True)
+        return json.loads((tmp_path / (out + ".json")).read_text())["rows"], md.read_text()
+
+    rows, md = run("lognormal-1k:256", "a")
+    assert [(r["batch"], r["budget_s"]) for r in rows] == [(0, 0.2), (1, 0.2), (0, 0.4), (1, 0.4)]
+    assert all(r["bound_ms"] <= r["step_ms"] and r["gap"] == r["step_ms"] / r["bound_ms"] - 1 for r in rows)
+    assert "faster / slower" not in md
+    _, md = run("lognormal-1k:256", "b", "--baseline", str(tmp_path / "a.json"))
+    lines = [x for x in md.splitlines() if x.startswith("| 0.2 |") or x.startswith("| 0.4 |")]
+    assert len(lines) == 2 and all(x.count("|") == 10 and " / " in x for x in lines)
+    _, md = run("lognormal-1k:512", "c", "--baseline", str(tmp_path / "a.json"))
+    assert "no common batches" in md
