@@ -103,6 +103,7 @@ class LevelPacker:
     def _pack_balanced(self, items: np.ndarray, rows: np.ndarray, level: float) -> list[Group] | None:
         tab, groups, used = self.tab, [], 0
         spare: list = []  # larger groups with idle time, most idle first
+        lens, time_l = self.lens_l, self.time_l
         for r in np.unique(rows)[::-1].tolist():
             d = self.sizes_l[r]
             mine = self._backfill(items[rows == r], r, spare, level) if spare else items[rows == r]
@@ -117,7 +118,7 @@ class LevelPacker:
                 return None
             cls = [Group(d) for _ in range(need)]
             heap = [(0.0, k) for k in range(need)]
-            cap, lens, time_l = tab.cap[d], self.lens_l, self.time_l
+            cap = tab.cap[d]
             for i in mine[order].tolist():
                 t, s_i = time_l[i][r], lens[i]
                 popped, placed = [], False
@@ -267,28 +268,23 @@ class LevelPacker:
                 if tot[r] > level:
                     continue
                 d, c, room, t = sizes[r], caps[r], rooms[r], tim[r]
-                heap = by_load[r]
+                heap, side = by_load[r], by_room[r]
+                into = None  # the heap whose top group takes the item
                 while heap and heap[0][0] + t <= room:
-                    g = heap[0][2]
-                    if g.tokens + s_i <= c:
-                        g.seqs.append(i)
-                        g.load_ms += t
-                        g.tokens += s_i
-                        heapq.heapreplace(heap, (g.load_ms, g.uid, g))
-                        placed = True
+                    if heap[0][2].tokens + s_i <= c:
+                        into = heap
                         break
-                    heapq.heappop(heap)
-                    heapq.heappush(by_room[r], (g.tokens - c, g.uid, g))
-                if not placed:
-                    side = by_room[r]
-                    if side and -side[0][0] >= s_i and side[0][2].load_ms + t <= room:
-                        g = side[0][2]
-                        g.seqs.append(i)
-                        g.load_ms += t
-                        g.tokens += s_i
-                        heapq.heapreplace(side, (g.tokens - c, g.uid, g))
-                        placed = True
-                if placed:
+                    g = heapq.heappop(heap)[2]
+                    heapq.heappush(side, (g.tokens - c, g.uid, g))
+                if into is None and side and -side[0][0] >= s_i and side[0][2].load_ms + t <= room:
+                    into = side
+                if into is not None:  # Tables.add, inlined; the group stays at its heap's top or sinks
+                    g = into[0][2]
+                    g.seqs.append(i)
+                    g.load_ms += t
+                    g.tokens += s_i
+                    heapq.heapreplace(into, (g.load_ms if into is heap else g.tokens - c, g.uid, g))
+                    placed = True
                     break
                 if free >= d:
                     g = Group(d, [i], t, s_i)
