@@ -1,0 +1,74 @@
+"""The LP bound's group-counting rows (:class:`~megatron_flexsp.planner.step_lp._Slow`): a bucket of
+long sequences counts, for any share of its tokens, no more groups than the members making up that
+share need, and all of them when all are placed."""
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.planner.step_lp import _Slow
+
+
+class _Recorder:
+    """Stands in for HiGHS: keeps the coefficients and row upper bounds that are set."""
+
+    def __init__(self) -> None:
+        self.coef: dict[tuple[int, int], float] = {}
+        self.upper: dict[int, float] = {}
+
+    def changeCoeff(self, row: int, col: int, value: float) -> None:  # noqa: N802 (HiGHS's name)
+        self.coef[row, col] = value
+
+    def changeRowBounds(self, row: int, lo: float, hi: float) -> None:  # noqa: N802
+        self.upper[row] = hi
+
+
+def _needed(works, room: float, w_star: float | None) -> np.ndarray:
+    """Groups each sequence needs by the dual feasible function, written out: a sequence over half
+    the room takes a group of its own; one that cannot share a group with the lightest of those
+    takes its share of a group's time; the rest count nothing."""
+    out = []
+    for w in works:
+        if 2 * w > room:
+            out.append(1.0)
+        elif w_star is not None and w > room - w_star + 1e-9 * room:
+            out.append(w / room)
+        else:
+            out.append(0.0)
+    return np.array(out)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_a_bucket_counts_no_more_groups_than_the_members_placed_need(seed):
+    rng = np.random.default_rng(seed)
+    fixed = 5.0
+    k = int(rng.integers(3, 10))
+    works = np.sort(rng.uniform(1.0, 60.0, size=k))
+    lens = rng.uniform(10.0, 100.0, size=k)  # any lengths: the rows must not assume an order
+    single_work = float(rng.uniform(1.0, 60.0))
+    level = fixed + float(rng.uniform(0.6, 1.4)) * float(works.max())
+    room = level - fixed
+    tokens = np.array([lens.sum(), 50.0])
+    sl = _Slow(0, np.array([10, 11]), np.array([works[0], single_work]), tokens,
+               np.array([lens.max(), 50.0]), np.array([lens.sum() / lens.max(), 1.0]),
+               [(0, works, lens, 12, 1)])
+    h = _Recorder()
+    sl.count(h, level, fixed)
+    low = h.coef.get((0, 10), 0.0)
+    slope, rhs = h.coef.get((1, 10), 0.0), h.upper.get(1, math.inf)
+    runs = works + fixed <= level  # the members that may run at this level
+    heavy_works = [float(w) for w in works[runs] if 2 * w > room]
+    if 2 * single_work > room and single_work <= room:
+        heavy_works.append(single_work)
+    need = _needed(works, room, min(heavy_works) if heavy_works else None)
+    members = np.flatnonzero(runs)
+    for r in range(len(members) + 1):
+        for subset in itertools.combinations(members.tolist(), r):
+            x = lens[list(subset)].sum() / tokens[0]
+            counted = low * x + max(0.0, slope * x - rhs)
+            assert counted <= need[list(subset)].sum() + 1e-9, (subset, counted, need)
+    if len(members):  # and every one of them when all are placed
+        x = lens[members].sum() / tokens[0]
+        assert low * x + max(0.0, slope * x - rhs) >= need[members].sum() - 1e-9
