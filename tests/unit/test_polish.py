@@ -112,3 +112,28 @@ def test_exchanges_even_out_a_memory_bound_micro_batch():
     validate_plan(to_step_plan([mb], tab, strategy="flexsp", method="exchanged"))
     after = tab.mb_ms(mb)
     assert balance_groups(mb, tab) == 0 and tab.mb_ms(mb) == after
+
+
+def test_a_micro_batch_memory_makes_slow_is_split_in_two():
+    """Two 60K-token documents and enough short ones to fill one micro-batch's memory (3.86 s):
+    in one micro-batch the short ones that single GPUs cannot hold go to the long ones' groups,
+    which have no time for them; split in two, the long ones on groups of 32 and the short ones on
+    single GPUs, the step is 3.60 s. Every sequence kept once, and nothing to do past the
+    deadline."""
+    from megatron_flexsp.planner.polish import split_slowest
+
+    cm = _paper_cluster(64)
+    rng = np.random.default_rng(2)
+    short = rng.integers(300, 3000, size=800)
+    room = int(0.97 * cm.capacity_tokens * 64) - 120_000
+    short = short[np.cumsum(short) <= room]
+    lens = np.r_[60_000, 60_000, short]
+    tab = Tables(lens, cm)
+    packer = LevelPacker(tab)
+    layout = [packer.min_level(np.arange(len(lens)))[1]]
+    before = tab.step_ms(layout)
+    assert split_slowest(layout, packer, Deadline(0.0)) == 0
+    assert split_slowest(layout, packer, Deadline()) == 1 and len(layout) == 2
+    assert tab.step_ms(layout) < 0.97 * before
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(lens)))
+    validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="split"))
