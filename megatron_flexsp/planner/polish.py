@@ -18,7 +18,7 @@
   where two are faster than one. On a bimodal step at 256 GPUs (eight documents of 196K tokens,
   two of 158-166K, 2,000 short ones) the search ran the two shorter long ones and every short one
   in one micro-batch whose memory pushed short ones into the long ones' groups of 64 (5.72 s); split,
-  the second micro-batch takes them on single GPUs (4.40 + 0.85 s), 3.2% off the step.
+  the second micro-batch takes them on single GPUs (4.40 + 0.85 s), 3.1% off the step.
 * **Exchanges** (:func:`balance_groups`): within a micro-batch, sequences of the slowest group
   traded with the least-loaded groups of its size, where memory is too full to move one alone.
 

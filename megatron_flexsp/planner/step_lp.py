@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
+from megatron_flexsp.planner.count_rows import CountRow, Shares
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _Model
 
@@ -42,10 +43,10 @@ Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
 #: second the search stops with what it proved (:class:`SolverTrouble`)
 HOT_START_S = 0.08
 SCRATCH_S = 0.3
-#: A bucket gets its tangent row (:meth:`_Slow.count`) where its longest member is at least this
-#: fraction of the batch's longest sequence: where members differ in how many groups they need
-#: (short ones fill groups fluidly; each row costs every re-solve)
-TAIL_FRACTION = 8
+#: A bucket gets a tangent row (:meth:`~planner.count_rows.CountRow.count`) where its longest
+#: member is at least this share of the batch's longest sequence: long members differ in how many
+#: groups they need, short ones fill groups fluidly (and each row costs every re-solve)
+TAIL_SHARE = 1 / 8
 
 
 @dataclass(frozen=True)
@@ -63,97 +64,6 @@ class Hint:
 
 class SolverTrouble(RuntimeError):
     """HiGHS ended an LP of the bound with a status that proves neither optimality nor infeasibility."""
-
-
-class _Slow:
-    """The columns of one (part, size) whose coefficients depend on the level: in the row
-    counting slow ones one per group (``row``) and in the part's memory rows; ``update`` changes
-    only the coefficients that differ from the last probe. Per column: ``work`` (ms; a bucket's
-    shortest member's), ``tokens`` (the column's), ``span`` (its longest sequence) and ``scale``
-    (sequences per unit of the column at least: 1 for a single, ``tokens / longest`` for a
-    bucket). ``tails``: the buckets of long sequences, as (column position, its members' works in
-    ms and lengths, both ascending, a column ``z`` in the counting row, the row ``z >= a x + b``)."""
-
-    def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray,
-                 span: np.ndarray, scale: np.ndarray,
-                 tails: list[tuple[int, np.ndarray, np.ndarray, int, int]]) -> None:
-        self.row, self.cols, self.work, self.tokens = row, cols.astype(np.int64), work, tokens
-        self.span, self.scale = span, scale
-        self.tails = tails
-        self.last = {"slow": np.zeros(len(cols)), "mem": tokens.copy(), "total": tokens.copy(),
-                     "tail": np.zeros(len(tails)), "tail_rhs": np.full(len(tails), math.inf)}
-
-    def update(self, h: highspy.Highs, row: int, values: np.ndarray, key: str) -> None:
-        for k in np.flatnonzero(values != self.last[key]).tolist():
-            h.changeCoeff(row, int(self.cols[k]), float(values[k]))
-        self.last[key] = values
-
-    def count(self, h: highspy.Highs, level: float, fixed: float) -> None:
-        """Set the counting row for a level of ``level`` ms (a group's time ``room = level -
-        fixed``), one dual feasible function of the work for every sequence there
-        (:func:`_groups_needed`: 1 if over half the room, ``w / room`` if it cannot share a group
-        with the lightest of those, else 0); a bucket at its shortest member's work per unit
-        ``scale``. A bucket of ``tails`` counts its members' own works instead: its share ``x``
-        of their tokens counts at least the least its members that may run there (finish within
-        the level) can count for that many tokens, members taken by count per token, lowest
-        first, a convex function of ``x``: at least ``low x`` (``low``: its lowest count per
-        token, in the row) and the tangent at its whole share (slope: the highest count per
-        token, through the count of all of them), by ``z`` in the row."""
-        room = level - fixed
-        heavy = 2.0 * self.work > room
-        fits = heavy & (self.work <= room)
-        found = []  # per tail: (works of the members that may run there, their lengths, slow mask)
-        for _, works, lens, _, _ in self.tails:
-            n = int(np.searchsorted(works + fixed, level, side="right"))  # as the column bounds test it
-            slow = 2.0 * works[:n] > room
-            found.append((works[:n], lens[:n], slow))
-        stars = [float(w[s].min()) for w, _, s in found if s.any()]
-        if fits.any():
-            stars.append(float(self.work[fits].min()))
-        w_star = min(stars) if stars else None
-        coef = _groups_needed(self.work, room, heavy, w_star) * self.scale
-        if not self.tails:
-            self.update(h, self.row, coef, "slow")
-            return
-        slope = np.zeros(len(self.tails))
-        rhs = np.full(len(self.tails), math.inf)
-        for k, ((pos, _, _, _, _), (works, lens, slow)) in enumerate(zip(self.tails, found)):
-            tokens = self.tokens[pos]
-            if not len(works):
-                coef[pos] = 0.0
-                continue
-            g = _groups_needed(works, room, slow, w_star) / lens  # count per token of each member
-            low, high = float(g.min()) * tokens, float(g.max()) * tokens
-            coef[pos] = low
-            total, share = float((g * lens).sum()), float(lens.sum()) / tokens
-            if total > 0.0 and high > low:  # z >= (high - low) x + total - high share
-                slope[k], rhs[k] = high - low, high * share - total
-        self.update(h, self.row, coef, "slow")
-        for k in np.flatnonzero(slope != self.last["tail"]).tolist():
-            h.changeCoeff(self.tails[k][4], int(self.cols[self.tails[k][0]]), float(slope[k]))
-        for k in np.flatnonzero(rhs != self.last["tail_rhs"]).tolist():
-            h.changeRowBounds(self.tails[k][4], -math.inf, float(rhs[k]))
-        self.last["tail"], self.last["tail_rhs"] = slope, rhs
-
-
-class _Shares:
-    """The bucket columns of one part: per column, its members' finish times alone (ascending) and
-    the token share of the members finishing by each, flattened so that one level is looked up in
-    all of them at once."""
-
-    def __init__(self, columns: list[tuple[int, np.ndarray, np.ndarray]]) -> None:
-        self.pos = np.array([c[0] for c in columns], dtype=np.int64)
-        self.fin = np.concatenate([c[1] for c in columns]) if columns else np.zeros(0)
-        self.share = np.concatenate([c[2] for c in columns]) if columns else np.zeros(0)
-        self.starts = np.cumsum([0] + [len(c[1]) for c in columns[:-1]]).astype(np.int64)
-
-    def within(self, level: float, upper: np.ndarray) -> None:
-        """Set ``upper[pos]`` of each bucket column to the token share of its members finishing
-        within ``level`` (ms)."""
-        if not len(self.pos):
-            return
-        done = np.add.reduceat((self.fin <= level).astype(np.int64), self.starts)
-        upper[self.pos] = np.where(done > 0, self.share[self.starts + np.maximum(done, 1) - 1], 0.0)
 
 
 class _StepLP:
@@ -260,7 +170,7 @@ class _StepLP:
         # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
         self.time_rows: list[dict[int, int]] = [{} for _ in parts]
         self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
-        self.slow_rows: list[dict[int, _Slow]] = [{} for _ in parts]
+        self.slow_rows: list[dict[int, CountRow]] = [{} for _ in parts]
         self.total_mem_rows: list[int] = []
         for p in parts:
             cnt = self.counts[p]
@@ -277,9 +187,10 @@ class _StepLP:
                 if d in slow[p]:
                     entries = slow[p][d]
                     zs = [(j, mdl.col(0.0, math.inf)) for j, e in enumerate(entries)
-                          if len(e[5]) > 1 and e[3] * TAIL_FRACTION >= longest_all]
+                          if len(e[5]) > 1 and e[3] >= TAIL_SHARE * longest_all]
                     row = len(mdl.rows)
-                    mdl.rows.append((-math.inf, 0.0, [cnt[d]] + [z for _, z in zs], [-1.0] + [1.0] * len(zs)))
+                    mdl.rows.append((-math.inf, 0.0, [cnt[d]] + [z for _, z in zs],
+                                     [-1.0] + [1.0] * len(zs)))
                     tails = []
                     for j, z in zs:  # z >= a x + b, set per level (inactive until then)
                         by = np.argsort(tab.time[d][entries[j][5]], kind="stable")
@@ -287,7 +198,8 @@ class _StepLP:
                         tails.append((j, tab.time[d][members], tab.lens[members].astype(np.float64), z,
                                       len(mdl.rows)))
                         mdl.rows.append((-math.inf, math.inf, [z], [-1.0]))
-                    self.slow_rows[p][d] = _Slow(row, *map(np.array, zip(*(e[:5] for e in entries))), tails)
+                    self.slow_rows[p][d] = CountRow(row, *map(np.array, zip(*(e[:5] for e in entries))),
+                                                 tails)
             mdl.row(-math.inf, float(copies[p] * n_gpus), list(cnt.values()), [float(d) for d in sizes])
             self.total_mem_rows.append(len(mdl.rows))
             mdl.row(-math.inf, float(copies[p] * n_gpus * cm.capacity_tokens), *mem[p])
@@ -305,7 +217,7 @@ class _StepLP:
         self._level_set: list[float | None] = [None] * len(copies)
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
-        self._shares = [_Shares([(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]])
+        self._shares = [Shares([(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]])
                         for p, a in enumerate(alone)]
 
     def levels(self, box: Box, r_cap: float) -> list[float]:
@@ -444,21 +356,3 @@ class _StepLP:
                 w_lo = 0.5 * w_lo if kept == -1 else 1.0
                 kept = -1
         return best
-
-
-def _groups_needed(work: np.ndarray, room: float, heavy: np.ndarray,
-                   w_star: float | None = None) -> np.ndarray:
-    """Coefficients of sequences in their (part, size)'s group-count row, a dual feasible
-    function of their work (ms) within a group's ``room`` (ms): 1 for a slow one (``heavy``, over
-    half the room; the lightest that can run takes ``w*``), ``w / room`` for one over ``room - w*``
-    (it cannot share a group with a slow one), 0 for the rest. A group holds at most one slow
-    sequence and then only sequences of 0; else their works sum to at most ``room``: every group's
-    coefficients sum to at most 1, so the count of groups is at least their sum. ``w_star``: the
-    lightest slow work that can run among all sequences of the row (default: among these)."""
-    if w_star is None:
-        fits = heavy & (work <= room)
-        if not fits.any():
-            return heavy.astype(np.float64)
-        w_star = float(work[fits].min())
-    middle = ~heavy & (work > room - w_star + 1e-9 * room)
-    return np.where(heavy, 1.0, np.where(middle, work / room, 0.0))

@@ -1,4 +1,4 @@
-"""The LP bound's group-counting rows (:class:`~megatron_flexsp.planner.step_lp._Slow`): a bucket of
+"""The LP bound's group-counting rows (:class:`~megatron_flexsp.planner.count_rows.CountRow`): a bucket of
 long sequences counts, for any share of its tokens, no more groups than the members making up that
 share need, and all of them when all are placed."""
 
@@ -8,7 +8,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_flexsp.planner.step_lp import _Slow
+from megatron_flexsp.planner.count_rows import CountRow
 
 
 class _Recorder:
@@ -51,7 +51,7 @@ def test_a_bucket_counts_no_more_groups_than_the_members_placed_need(seed):
     level = fixed + float(rng.uniform(0.6, 1.4)) * float(works.max())
     room = level - fixed
     tokens = np.array([lens.sum(), 50.0])
-    sl = _Slow(0, np.array([10, 11]), np.array([works[0], single_work]), tokens,
+    sl = CountRow(0, np.array([10, 11]), np.array([works[0], single_work]), tokens,
                np.array([lens.max(), 50.0]), np.array([lens.sum() / lens.max(), 1.0]),
                [(0, works, lens, 12, 1)])
     h = _Recorder()

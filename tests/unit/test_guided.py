@@ -13,7 +13,8 @@ from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import base_range, level_grid, search_step, Deadline
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.bound import bound_units
-from megatron_flexsp.planner.step_lp import Hint, _StepLP, _groups_needed
+from megatron_flexsp.planner.count_rows import _groups_needed
+from megatron_flexsp.planner.step_lp import Hint, _StepLP
 from megatron_flexsp.plan import validate_plan
 from megatron_flexsp.sim import simulate
 from tests.unit.helpers import tiny_cost_model

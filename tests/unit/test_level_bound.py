@@ -206,7 +206,7 @@ def test_bucket_shares_match_a_lookup_per_column():
     """The flattened lookup of the members finishing within a level equals a per-column
     ``searchsorted`` (written here without the helper), including columns none of whose members
     finish in time and levels past every member."""
-    from megatron_flexsp.planner.step_lp import _Shares
+    from megatron_flexsp.planner.count_rows import Shares
 
     rng = np.random.default_rng(3)
     for _ in range(100):
@@ -215,7 +215,7 @@ def test_bucket_shares_match_a_lookup_per_column():
             fin = np.sort(rng.uniform(0.0, 10.0, int(rng.integers(1, 8))))
             share = np.cumsum(rng.uniform(0.1, 1.0, len(fin)))
             cols.append((2 * j, fin, share / share[-1]))
-        shares = _Shares(cols)
+        shares = Shares(cols)
         for level in rng.uniform(-1.0, 11.0, 6):
             got = np.full(12, 7.0)
             shares.within(float(level), got)
