@@ -147,6 +147,7 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
     bucket's token total (to solve one micro-batch's share); ``m_min`` the micro-batches that must be
     used (default: the memory minimum of the whole batch).
     """
+    built_from = time.perf_counter()  # the time limit covers building the model too
     slot_max, slot_min_size = options.slot_max, options.slot_min_size
     restrict_to_slots, bucket_indicators = options.restrict_to_slots, options.bucket_indicators
     cm = tab.cm
@@ -259,6 +260,7 @@ def solve_step_milp(tab: Tables, longs: list[int], buckets: Buckets, *, m_max: i
         sol.value_valid = True
         h.setSolution(sol)
     t0 = time.perf_counter()
+    h.setOptionValue("time_limit", max(options.time_limit_s - (t0 - built_from), 1e-3))
     h.run()
     elapsed = time.perf_counter() - t0
     info = h.getInfo()
