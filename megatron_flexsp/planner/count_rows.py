@@ -26,11 +26,12 @@ class CountRow:
     shortest member's), ``tokens`` (the column's), ``span`` (its longest sequence) and ``scale``
     (sequences per unit of the column at least: 1 for a single, ``tokens / longest`` for a
     bucket). ``tails``: the buckets of long sequences, as (column position, its members' works in
-    ms and lengths, both ascending, a column ``z`` in the counting row, the row ``z >= a x + b``)."""
+    ms, their finish times alone with the group's fixed cost and their lengths, all by work, the
+    row ``z >= a x + b`` of the column ``z`` it adds to the counting row)."""
 
     def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray,
                  span: np.ndarray, scale: np.ndarray,
-                 tails: list[tuple[int, np.ndarray, np.ndarray, int, int]]) -> None:
+                 tails: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]]) -> None:
         self.row, self.cols, self.work, self.tokens = row, cols.astype(np.int64), work, tokens
         self.span, self.scale = span, scale
         self.tails = tails
@@ -42,9 +43,9 @@ class CountRow:
             h.changeCoeff(row, int(self.cols[k]), float(values[k]))
         self.last[key] = values
 
-    def count(self, h: highspy.Highs, level: float, fixed: float) -> None:
-        """Set the counting row for a level of ``level`` ms (a group's time ``room = level -
-        fixed``), one dual feasible function of the work for every sequence there
+    def count(self, h: highspy.Highs, level: float, room: float, heavy: np.ndarray) -> None:
+        """Set the counting row for a level of ``level`` ms (a group's time ``room``, less its
+        fixed cost; ``heavy``: the columns whose work is over half of it), one dual feasible function of the work for every sequence there
         (:func:`_groups_needed`: 1 if over half the room, ``w / room`` if it cannot share a group
         with the lightest of those, else 0); a bucket at its shortest member's work per unit
         ``scale``. A bucket of ``tails`` counts its members' own works instead: its share ``x``
@@ -53,12 +54,10 @@ class CountRow:
         first, a convex function of ``x``: at least ``low x`` (``low``: its lowest count per
         token, in the row) and the tangent at its whole share (slope: the highest count per
         token, through the count of all of them), by ``z`` in the row."""
-        room = level - fixed
-        heavy = 2.0 * self.work > room
         fits = heavy & (self.work <= room)
         found = []  # per tail: (works of the members that may run there, their lengths, slow mask)
-        for _, works, lens, _, _ in self.tails:
-            n = int(np.searchsorted(works + fixed, level, side="right"))  # as the column bounds test it
+        for _, works, fin, lens, _ in self.tails:
+            n = int(np.searchsorted(fin, level, side="right"))  # as the column bounds test it
             slow = 2.0 * works[:n] > room
             found.append((works[:n], lens[:n], slow))
         stars = [float(w[s].min()) for w, _, s in found if s.any()]

@@ -193,10 +193,10 @@ class _StepLP:
                                      [-1.0] + [1.0] * len(zs)))
                     tails = []
                     for j, z in zs:  # z >= a x + b, set per level (inactive until then)
-                        by = np.argsort(tab.time[d][entries[j][5]], kind="stable")
-                        members = entries[j][5][by]
-                        tails.append((j, tab.time[d][members], tab.lens[members].astype(np.float64), z,
-                                      len(mdl.rows)))
+                        works = tab.time[d][entries[j][5]]
+                        by = np.argsort(works, kind="stable")
+                        tails.append((j, works[by], works[by] + tab.fixed[d],
+                                      tab.lens[entries[j][5][by]].astype(np.float64), len(mdl.rows)))
                         mdl.rows.append((-math.inf, math.inf, [z], [-1.0]))
                     self.slow_rows[p][d] = CountRow(row, *map(np.array, zip(*(e[:5] for e in entries))),
                                                  tails)
@@ -251,7 +251,7 @@ class _StepLP:
                 lost = np.where(heavy, np.maximum(0.0, tab.cap[d] - sl.span
                                                   - np.maximum(room - sl.work, 0.0) / self.rate[d]), 0.0)
                 lost = lost * sl.scale
-                sl.count(h, level, tab.fixed[d])
+                sl.count(h, level, room, heavy)
                 mem = sl.tokens + lost
                 sl.update(h, self.mem_rows[p][d], mem, "mem")
                 sl.update(h, self.total_mem_rows[p], mem, "total")

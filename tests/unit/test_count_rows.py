@@ -51,11 +51,11 @@ def test_a_bucket_counts_no_more_groups_than_the_members_placed_need(seed):
     level = fixed + float(rng.uniform(0.6, 1.4)) * float(works.max())
     room = level - fixed
     tokens = np.array([lens.sum(), 50.0])
-    sl = CountRow(0, np.array([10, 11]), np.array([works[0], single_work]), tokens,
-               np.array([lens.max(), 50.0]), np.array([lens.sum() / lens.max(), 1.0]),
-               [(0, works, lens, 12, 1)])
+    work = np.array([works[0], single_work])
+    sl = CountRow(0, np.array([10, 11]), work, tokens, np.array([lens.max(), 50.0]),
+                  np.array([lens.sum() / lens.max(), 1.0]), [(0, works, works + fixed, lens, 1)])
     h = _Recorder()
-    sl.count(h, level, fixed)
+    sl.count(h, level, room, 2.0 * work > room)
     low = h.coef.get((0, 10), 0.0)
     slope, rhs = h.coef.get((1, 10), 0.0), h.upper.get(1, math.inf)
     runs = works + fixed <= level  # the members that may run at this level
