@@ -45,9 +45,10 @@ class CountRow:
 
     def count(self, h: highspy.Highs, level: float, room: float, heavy: np.ndarray) -> None:
         """Set the counting row for a level of ``level`` ms (a group's time ``room``, less its
-        fixed cost; ``heavy``: the columns whose work is over half of it), one dual feasible function of the work for every sequence there
-        (:func:`_groups_needed`: 1 if over half the room, ``w / room`` if it cannot share a group
-        with the lightest of those, else 0); a bucket at its shortest member's work per unit
+        fixed cost; ``heavy``: the columns whose work is over half of it), one dual feasible
+        function of the work for every sequence there (:func:`_groups_needed`: 1 if over half the
+        room, ``w / room`` if it cannot share a group with the lightest of those, else 0); a
+        bucket at its shortest member's work per unit
         ``scale``. A bucket of ``tails`` counts its members' own works instead: its share ``x``
         of their tokens counts at least the least its members that may run there (finish within
         the level) can count for that many tokens, members taken by count per token, lowest
