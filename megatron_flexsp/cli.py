@@ -26,6 +26,7 @@ from megatron_flexsp.parallelism import RECOMPUTE, Parallelism
 from megatron_flexsp.plan import StepPlan, validate_plan
 from megatron_flexsp.planner import plan_step
 from megatron_flexsp.sim import simulate
+from megatron_flexsp.sim.gap import GapParts, gap_parts
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches
 
 
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     _common(plan)
     plan.add_argument("--strategy", choices=STRATEGIES, default="flexsp")
     plan.add_argument("--plot", default=None, help="Gantt chart PNG of the first batch's plan")
+    plan.add_argument("--explain", action="store_true",
+                      help="per batch, where the step goes beyond the floor every plan pays (extra "
+                           "micro-batches, idle GPUs, larger groups) and what the bound proves above it")
     sim = sub.add_parser("simulate", help="run all strategies side by side and compare step times")
     _common(sim)
     sim.add_argument("--megatron-hybrid-cp", action="store_true",
@@ -110,6 +114,13 @@ def _groups_text(plan: StepPlan) -> str:
     return " | ".join(parts)
 
 
+def _explain(parts: GapParts) -> str:
+    sh = parts.shares()
+    return (f"{'':>5} floor {parts.floor_ms:.1f} ms; above it (shares of the step): micro-batches "
+            f"beyond the memory minimum of {parts.min_micro_batches} {sh['micro_batches']:.2%}, idle GPUs "
+            f"{sh['idle']:.2%}, larger groups {sh['sizes']:.2%}; the bound proves {sh['bound_over_floor']:.2%}")
+
+
 def _progress(k: int, total: int, started: float) -> None:
     if total > 1:
         _out(f"  planned {k}/{total} batches ({time.perf_counter() - started:.1f} s)", err=True)
@@ -128,6 +139,8 @@ def cmd_plan(args) -> int:
         gap = f"{plan.gap:.2%}" if plan.lower_bound_ms > 0 else "-"
         _out(f"{k:>5} {int(b.sum()):>8} {int(b.max()):>7} {plan.predicted_step_ms:>9.1f} {gap:>7} "
               f"{plan.solve_time_s:>8.2f}  {plan.method}: {_groups_text(plan)}")
+        if args.explain:
+            _out(_explain(gap_parts(plan, cm)))
         _progress(k + 1, len(batches), started)
     if cut:
         _out(f"data loader truncated {cut} tokens at --max-seq-len={args.max_seq_len}")

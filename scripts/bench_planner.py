@@ -37,6 +37,7 @@ from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.plan import validate_plan  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.sim import simulate  # noqa: E402
+from megatron_flexsp.sim.gap import gap_parts  # noqa: E402
 from megatron_flexsp.sim.corpora import SYNTHETIC, synthetic_lengths  # noqa: E402
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches  # noqa: E402
 from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
@@ -77,7 +78,8 @@ def plan_batch(b, cm, cfg, max_len) -> dict:
             info = plan.info
             row[s].update(gap=plan.gap, lower_bound_ms=plan.lower_bound_ms, method=plan.method,
                           milp_kind=info.get("milp_kind"), milp_improved=bool(info.get("milp_improved")),
-                          milp_gain=1 - info.get("milp_after_ms", 1) / info.get("milp_before_ms", 1))
+                          milp_gain=1 - info.get("milp_after_ms", 1) / info.get("milp_before_ms", 1),
+                          parts=gap_parts(plan, cm).shares())
     return row
 
 
@@ -104,6 +106,7 @@ def summarize(rows: list[dict]) -> dict:
         "slower_than_batchada": sum(r["flexsp"]["step_ms"] > r["batchada"]["step_ms"] * (1 + 1e-9)
                                     for r in rows),
         "milp_improved": len(gains), "milp_gain_mean": float(np.mean(gains)) if gains else 0.0,
+        "parts_mean": {k: float(np.mean([x["parts"][k] for x in f])) for k in f[0]["parts"]},
     }
 
 
@@ -151,6 +154,26 @@ def table(cells: list[dict]) -> list[str]:
             f"{s['plan_p99_s']:.2f} | {s['gap_median']:.2%} | {s['gap_max']:.2%} | {s['x_static']:.2f} | "
             f"{s['x_batchada']:.2f} | {s['x_dcp']:.2f} | {_hcp(s)} | "
             f"{s['slower_than_batchada']} | {s['milp_improved']}/{s['batches']} ({s['milp_gain_mean']:.2%}) |")
+    return lines
+
+
+def parts_table(cells: list[dict]) -> list[str]:
+    """Where the step goes beyond the floor (``sim.gap``), for the cells that miss a gap target: the
+    flexsp plans' extra micro-batches, idle GPU-time and GPU-time beyond each sequence's least, and
+    what the bound proves above the floor, as shares of the step (means over the cell's batches)."""
+    missed = [c for c in cells if c["summary"]["gap_median"] > 0.02 or c["summary"]["gap_max"] > 0.05]
+    if not missed:
+        return []
+    lines = ["", "Where the step time goes beyond the floor (`m_min f_min` + every sequence at its least "
+             "GPU-time over N; `megatron_flexsp/sim/gap.py`), in the cells that miss a gap target: what "
+             "the plan pays above the floor, and what its bound proves above it (means over the batches, "
+             "shares of the step; the gap is about the plan's parts less the bound's share).", "",
+             "| corpus | N | B | gap median | extra micro-batches | idle | larger groups | bound above floor |",
+             "|" + "---|" * 8]
+    for c in missed:
+        s, p = c["summary"], c["summary"]["parts_mean"]
+        lines.append(f"| {c['corpus']} | {c['num_gpus']} | {c['global_batch']} | {s['gap_median']:.2%} | "
+                     f"{p['micro_batches']:.2%} | {p['idle']:.2%} | {p['sizes']:.2%} | {p['bound_over_floor']:.2%} |")
     return lines
 
 
@@ -241,6 +264,7 @@ def main() -> int:
         "model's heads allow; Megatron runs larger ones with ring attention, which this cost model does not "
         "price). Speedups are ratios of summed simulated step times.", "", "Targets:", ""]
     lines += targets(result["cells"])
+    lines += parts_table(result["cells"])
     if result.get("reference"):
         lines += ["", "Reference per-slot MILP (HiGHS, time limit per micro-batch) on the first batches:", "",
                   "| batch | reference ms | reference plan s | flexsp ms | flexsp plan s |", "|---|---|---|---|---|"]

@@ -38,6 +38,13 @@ def test_cli_plan_writes_json_and_plot(lengths_file, tmp_path, capsys):
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_cli_plan_explains_where_the_step_goes(lengths_file, capsys):
+    assert cli.main(["plan", *_args(lengths_file, "--explain")]) == 0
+    lines = [x for x in capsys.readouterr().out.splitlines() if "floor" in x]
+    assert len(lines) == 2  # one per batch
+    assert all("idle GPUs" in x and "larger groups" in x and "the bound proves" in x for x in lines)
+
+
 def test_cli_simulate_compares_strategies(lengths_file, tmp_path, capsys):
     out = tmp_path / "sim.json"
     assert cli.main(["simulate", *_args(lengths_file, "--json", str(out))]) == 0
