@@ -26,12 +26,15 @@ optimal plan avoids; the parts say which costs the plan pays.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.planner.api import simple_bounds
+from megatron_flexsp.planner.heuristics import min_micro_batches
+from megatron_flexsp.planner.layout import Tables
 
 
 @dataclass(frozen=True)
@@ -56,43 +59,33 @@ class GapParts:
         return {"micro_batches": self.micro_batches_ms / s, "idle": self.idle_ms / s,
                 "sizes": self.sizes_ms / s, "bound_over_floor": (self.bound_ms - self.floor_ms) / s}
 
-    def to_dict(self) -> dict:
-        return asdict(self)
-
 
 def gap_parts(plan: StepPlan, cm: CostModel) -> GapParts:
     """Split ``plan``'s step time (under ``cm``) into the floor, the micro-batches beyond the memory
     minimum, idle GPU-time and GPU-time beyond each sequence's least; raises ``ValueError`` when the
-    plan's cluster is not ``cm``'s."""
+    plan's cluster is not ``cm``'s. The floor is the planner's simple bound
+    (:func:`~megatron_flexsp.planner.api.simple_bounds`) before its fastest-sequence term, over the
+    sequences the plan trains."""
     n = cm.cluster.num_gpus
     if plan.num_gpus != n:
         raise ValueError(f"plan is for {plan.num_gpus} GPUs, cost model for {n}")
     lens = np.asarray(plan.seq_lens, dtype=np.int64)
-    sizes = list(cm.sizes)
-    fixed = {d: cm.group_fixed_ms(d) for d in sizes}
-    f_min = min(fixed.values())
-    times = {d: cm.seq_time_ms(lens, d) for d in sizes}
-    least = np.full(len(lens), np.inf)
-    for d in sizes:
-        least = np.where(lens <= cm.group_capacity_tokens(d), np.minimum(least, d * times[d]), least)
-    trained = sorted({i for mb in plan.micro_batches for g in mb.groups for i in g.seqs})
-    area = float(least[trained].sum()) if trained else 0.0
-    m = len(plan.micro_batches)
-    m_min = max(1, math.ceil(int(lens[trained].sum()) / (cm.capacity_tokens * n))) if trained else 0
-    step = idle = busy_extra = 0.0
+    trained = np.array(sorted({i for mb in plan.micro_batches for g in mb.groups for i in g.seqs}), dtype=np.int64)
+    tab = Tables(lens[trained], cm)  # dropped sequences are in seq_lens but in no group
+    where = np.zeros(len(lens), dtype=np.int64)
+    where[trained] = np.arange(len(trained))
+    simple = simple_bounds(tab)
+    f_min, m_min = simple.f_min, min_micro_batches(tab)
+    step = idle = busy = 0.0
     for mb in plan.micro_batches:
-        ends, used = [], 0
-        for g in mb.groups:
-            d = g.size
-            work = float(times[d][list(g.seqs)].sum())
-            ends.append((d, fixed[d] + work if g.seqs else 0.0, work))
-            used += d
-        t = max((e for _, e, _ in ends), default=0.0)
+        ends = [(g.size, tab.fixed[g.size] + float(tab.time[g.size][where[list(g.seqs)]].sum()))
+                for g in mb.groups if g.seqs]
+        t = max((e for _, e in ends), default=0.0)
+        mine = sum(d * (e - f_min) for d, e in ends)  # GPU-time beyond f_min of the groups at work
         step += t
-        for d, end, work in ends:
-            idle += d * (t - end) if end > 0 else d * (t - f_min)
-            busy_extra += d * (fixed[d] - f_min + work) if end > 0 else 0.0
-        idle += (n - used) * (t - f_min)
-    return GapParts(step_ms=step, bound_ms=float(plan.lower_bound_ms), floor_ms=m_min * f_min + area / n,
-                    micro_batches_ms=(m - m_min) * f_min, idle_ms=idle / n, sizes_ms=(busy_extra - area) / n,
+        busy += mine
+        idle += n * (t - f_min) - mine
+    m = len(plan.micro_batches)
+    return GapParts(step_ms=step, bound_ms=float(plan.lower_bound_ms), floor_ms=m_min * f_min + simple.area,
+                    micro_batches_ms=(m - m_min) * f_min, idle_ms=idle / n, sizes_ms=busy / n - simple.area,
                     micro_batches=m, min_micro_batches=m_min)
