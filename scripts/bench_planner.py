@@ -265,6 +265,10 @@ def main() -> int:
         "price). Speedups are ratios of summed simulated step times.", "", "Targets:", ""]
     lines += targets(result["cells"])
     lines += parts_table(result["cells"])
+    if not args.sweep:
+        lines += ["", "Every corpus of the sweep (Wikipedia, GitHub- and CommonCrawl-like, lognormal, Pareto and "
+                  "bimodal lengths) at global batch 512-4096 on 64 GPUs and 8 x N on 256 and 1024 GPUs: "
+                  "[`planner-sweep.md`](planner-sweep.md), written by `--sweep`."]
     if result.get("reference"):
         lines += ["", "Reference per-slot MILP (HiGHS, time limit per micro-batch) on the first batches:", "",
                   "| batch | reference ms | reference plan s | flexsp ms | flexsp plan s |", "|---|---|---|---|---|"]
