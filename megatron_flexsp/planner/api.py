@@ -11,7 +11,8 @@ Strategies (same harness, same cost model, same packing helpers):
   plan), the polynomial step search of :mod:`search`, its polishing (:mod:`polish`), a valid lower
   bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batches' makespans), then with
   ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
-  plan on the time left: they improve it or prove it, and their dual bound tightens the gap.
+  plan on the time left: they improve it or prove it, and their dual bound tightens the gap; the
+  chosen plan is touched up (:func:`polish.touch_up`) until 90% of the budget.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, base_range, level_grid, search_step
 from megatron_flexsp.planner.groups_first import pack_at_sizes
 from megatron_flexsp.planner.guided import guided_candidates
-from megatron_flexsp.planner.polish import polish
+from megatron_flexsp.planner.polish import polish, touch_up
 from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
 from megatron_flexsp.utils.logging import get_logger
 
@@ -178,7 +179,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
     fast search (to 42% of the budget), polishing (to 62%), the LP bound (to 79%), plans rounded
     from its relaxation (to 83%), then the MILPs (``search="milp"``) on what is left, ending at 87%
-    of the budget (assembling the plan follows)."""
+    of the budget, and the chosen plan touched up (exchanges and the local search) to 90%
+    (assembling the plan follows)."""
     info: dict = {}
     candidates = []
     homo = H.best_homogeneous(tab, tab.sizes)
@@ -238,6 +240,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
                                       _phase(deadline, cfg, 0.87)))
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
+    info["touched_up"] = touch_up(layout, tab, _phase(deadline, cfg, 0.90))
+    best_ms = tab.step_ms(layout)
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
     info["time_budget_s"] = cfg.time_budget_s

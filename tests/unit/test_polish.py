@@ -137,3 +137,34 @@ def test_a_micro_batch_memory_makes_slow_is_split_in_two():
     assert tab.step_ms(layout) < 0.97 * before
     assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(lens)))
     validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="split"))
+
+
+def test_touch_up_exchanges_in_every_micro_batch_and_respects_its_deadline():
+    """The chosen plan's last pass: on two memory-full micro-batches of GitHub-like files packed at
+    their smallest level, exchanges in both lower the step; nothing is lost or doubled, memory holds;
+    past its deadline it changes nothing; and a plan of the planner records how many it made."""
+    from megatron_flexsp.config import PlannerConfig
+    from megatron_flexsp.planner import plan_step
+    from megatron_flexsp.planner.polish import touch_up
+
+    cm = _paper_cluster(64)
+    lens = _batch("github", 2048, cm)
+    lens = np.random.default_rng(1).permutation(lens[lens <= 3000])
+    room = 0.99 * cm.capacity_tokens * cm.cluster.num_gpus
+    lens = lens[np.cumsum(lens) <= 2 * room]
+    tab = Tables(lens, cm)
+    packer = LevelPacker(tab)
+    half = int(np.searchsorted(np.cumsum(lens), room))
+    layout = [packer.min_level(part, rel_tol=1e-3)[1] for part in (np.arange(half), np.arange(half, len(lens)))]
+    frozen = [[(g.size, list(g.seqs)) for g in mb] for mb in layout]
+    assert touch_up(layout, tab, Deadline(0.0)) == 0
+    assert [[(g.size, list(g.seqs)) for g in mb] for mb in layout] == frozen
+    before = [tab.mb_ms(mb) for mb in layout]
+    assert touch_up(layout, tab, Deadline()) > 0
+    after = [tab.mb_ms(mb) for mb in layout]
+    assert all(a < b for a, b in zip(after, before))
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(lens)))
+    assert all(g.tokens == int(lens[g.seqs].sum()) <= tab.cap[g.size] for mb in layout for g in mb)
+    validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="touched up"))
+    plan = plan_step(lens, cm, strategy="flexsp", config=PlannerConfig(time_budget_s=1.0))
+    assert plan.info["touched_up"] >= 0 and plan.info["time_s"] <= 1.1
