@@ -117,9 +117,11 @@ def main() -> int:
         raise ValueError(f"--budgets {args.budgets}: every budget must be > 0 seconds")
     cm = CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
                                 max_seq_len=args.max_seq_len)
-    baseline = json.loads(Path(args.baseline).read_text())["rows"] if args.baseline else None
+    before = json.loads(Path(args.baseline).read_text()) if args.baseline else None
+    baseline = before["rows"] if before else None
+    named = f"{args.baseline} (commit {before['provenance'].get('commit', 'unknown')})" if before else None
     result = {"provenance": provenance(profile=args.profile, model=args.model, num_gpus=args.gpus,
-                                       max_seq_len=args.max_seq_len, cells=args.cells, baseline=args.baseline),
+                                       max_seq_len=args.max_seq_len, cells=args.cells, baseline=named),
               "rows": plan_cells(args, cm)}
     lines = header_lines("Paired planner benchmark", result["provenance"]) + table(result["rows"], baseline)
     lines += ["", "Gaps are against each plan's own proven bound; plan times are wall time on one core. "

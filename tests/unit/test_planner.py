@@ -194,5 +194,7 @@ def test_paired_benchmark_pairs_each_batch_with_the_baseline_run(tmp_path):
     _, md = run("lognormal-1k:256", "b", "--baseline", str(tmp_path / "a.json"))
     lines = [x for x in md.splitlines() if x.startswith("| 0.2 |") or x.startswith("| 0.4 |")]
     assert len(lines) == 2 and all(x.count("|") == 10 and " / " in x for x in lines)
+    commit = json.loads((tmp_path / "a.json").read_text())["provenance"]["commit"]
+    assert f"a.json (commit {commit})`" in md  # the baseline is named with the commit it ran
     _, md = run("lognormal-1k:512", "c", "--baseline", str(tmp_path / "a.json"))
     assert "no common batches" in md
