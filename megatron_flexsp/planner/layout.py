@@ -203,6 +203,7 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
             index.add(j, g)
     sizes = sorted(tab.sizes)
     spans = [tab.mb_ms(mb) for mb in layout]
+    time_l = tab._time_l
     for _ in range(max_moves):
         if deadline is not None and deadline.expired():
             break
@@ -225,11 +226,21 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
                 rest = tab.finish(slow) - float(tab.time[slow.size][i]) if len(slow.seqs) > 1 else 0.0
                 new_a = max(others_a, rest)
                 for key in keys:
+                    heap = index.heaps.get(key)
+                    if not heap:
+                        continue
+                    # the heap's top load is at most any group's of the class (every group has an
+                    # entry with its current load): a bound on the gain, to skip classes that
+                    # cannot beat the best move so far without probing their groups for room
+                    b, d = key
+                    t = tab.fixed[d] + heap[0][0] + time_l[d][i]
+                    bound = spans[a] - max(new_a, t) if b == a else spans[a] - new_a - max(0.0, t - spans[b])
+                    if bound <= 1e-9 or (best is not None and bound <= best[0] + 1e-12):
+                        continue
                     g = index.best_fit(key, i, exclude=slow)
                     if g is None:
                         continue
-                    b = key[0]
-                    t = tab.fixed[g.size] + g.load_ms + float(tab.time[g.size][i])
+                    t = tab.fixed[g.size] + g.load_ms + time_l[g.size][i]
                     gain = spans[a] - max(new_a, t) if b == a else spans[a] - new_a - max(0.0, t - spans[b])
                     if gain > 1e-9 and (best is None or gain > best[0] + 1e-12):
                         best = (gain, i, slow, g, a, b)

@@ -200,7 +200,9 @@ def _best_exchange(mb: list[Group], tab: Tables, top: int, partners: list[int], 
     d, cap = slow.size, tab.cap[slow.size]
     t_s, l_s = tab.time[d][slow.seqs], tab.lens[slow.seqs]
     best = None
-    for k in partners:
+    for k in partners:  # least loaded first
+        if best is not None and 0.5 * (span + ends[k]) >= best[0]:
+            break  # an exchange leaves the slower of the two at least at their mean, for this and later partners
         h = mb[k]
         t_h, l_h = tab.time[d][h.seqs], tab.lens[h.seqs]
         # one for one

@@ -197,3 +197,80 @@ def test_touch_up_repeats_its_rounds_until_neither_gains():
     assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(tab.lens)))
     assert all(g.tokens == int(tab.lens[g.seqs].sum()) <= tab.cap[g.size] for mb in layout for g in mb)
     validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="touched up"))
+
+
+def _best_move_gain(layout, tab, sources=8, items=6, targets=4):
+    """Brute force over :func:`improve_layout`'s neighbourhood (every group, no index): the largest
+    step-time drop (ms) one move of a sequence off a micro-batch's slowest group gives."""
+    spans = [tab.mb_ms(mb) for mb in layout]
+    heads = []
+    for a, mb in enumerate(layout):
+        ends = sorted((tab.finish(g) for g in mb), reverse=True)
+        heads.append((ends[0] - (ends[1] if len(ends) > 1 else 0.0), a))
+    light = sorted(range(len(layout)), key=lambda b: (spans[b], b))[:targets]
+    best = 0.0
+    for _, a in sorted(heads, reverse=True)[:sources]:
+        slow = max(layout[a], key=lambda g: (tab.finish(g), -g.size))
+        others = max((tab.finish(g) for g in layout[a] if g is not slow), default=0.0)
+        for i in sorted(slow.seqs, key=lambda i: -tab.time[slow.size][i])[:items]:
+            rest = tab.finish(slow) - tab.time[slow.size][i] if len(slow.seqs) > 1 else 0.0
+            new_a = max(others, rest)
+            for b in set([a] + light):
+                for g in layout[b]:
+                    if g is slow or g.tokens + tab.lens[i] > tab.cap[g.size]:
+                        continue
+                    t = tab.fixed[g.size] + g.load_ms + tab.time[g.size][i]
+                    best = max(best, spans[a] - max(new_a, t) if b == a else spans[a] - new_a - max(0.0, t - spans[b]))
+    return best
+
+
+def _best_exchange_gain(mb, tab, partners=8):
+    """Brute force over :func:`balance_groups`' exchanges: the largest drop (ms) of the micro-batch's
+    makespan, or of its slowest group alone, that one exchange of one sequence of the slowest group
+    for one of a partner's, or for a partner's shortest that make room, gives."""
+    ends = [tab.finish(g) for g in mb]
+    top = max(range(len(mb)), key=lambda k: (ends[k], -mb[k].size))
+    slow, span, d = mb[top], ends[top], mb[top].size
+    same = sorted((k for k in range(len(mb)) if k != top and mb[k].size == d and mb[k].seqs),
+                  key=lambda k: ends[k])[:partners]
+    best = 0.0
+    for k in same:
+        h = mb[k]
+        for x in slow.seqs:
+            shortest = sorted(h.seqs, key=lambda j: tab.lens[j])
+            backs = [[y] for y in h.seqs] + [shortest[:n] for n in range(1, len(shortest) + 1)]
+            for back in backs:
+                t_b, l_b = sum(tab.time[d][y] for y in back), sum(int(tab.lens[y]) for y in back)
+                dt = tab.time[d][x] - t_b
+                if dt <= 0 or slow.tokens - tab.lens[x] + l_b > tab.cap[d] or h.tokens - l_b + tab.lens[x] > tab.cap[d]:
+                    continue
+                if len(back) > 1 and h.tokens + tab.lens[x] - sum(int(tab.lens[y]) for y in back[:-1]) <= tab.cap[d]:
+                    continue  # not the fewest shortest that make room
+                best = max(best, span - max(span - dt, ends[k] + dt))
+    return best
+
+
+def test_local_search_and_exchanges_end_where_their_neighbourhoods_gain_nothing():
+    """The local search and the exchanges skip candidates by bounds on what they can gain; checked
+    against brute force over the same neighbourhoods on common-level layouts of GitHub-like and
+    Pareto-tailed batches: where they stop, no move and no exchange they consider gains."""
+    from megatron_flexsp.planner import heuristics as H
+    from megatron_flexsp.planner.layout import improve_layout
+    from megatron_flexsp.planner.polish import balance_groups
+    from megatron_flexsp.planner.search import base_range
+
+    cm = _paper_cluster(64)
+    for corpus, size in (("github", 1024), ("pareto-1.1", 1024)):
+        tab = Tables(_batch(corpus, size, cm), cm)
+        packer = LevelPacker(tab)
+        lo, hi = base_range(packer, H.min_micro_batches(tab))
+        layout = common_level(packer, np.arange(len(tab.lens)), (lo * hi) ** 0.5, 200)
+        assert _best_move_gain(layout, tab) > 1.0 and max(_best_exchange_gain(mb, tab) for mb in layout) > 1.0
+        moved = [[tab.clone(g) for g in mb] for mb in layout]
+        improve_layout(moved, tab, max_moves=100_000)
+        assert tab.step_ms(moved) < tab.step_ms(layout)
+        assert _best_move_gain(moved, tab) <= 1e-6
+        for mb in layout:
+            before = tab.mb_ms(mb)
+            balance_groups(mb, tab, max_swaps=100_000)
+            assert tab.mb_ms(mb) <= before and _best_exchange_gain(mb, tab) <= 1e-6
