@@ -182,17 +182,20 @@ def pack_lpt(items, groups: list[Group], tab: Tables) -> list[int]:
 
 
 def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400, deadline=None,
-                   sources: int = 8, items_per_group: int = 6, targets: int = 4) -> None:
+                   sources: int = 8, items_per_group: int = 6, targets: int | None = None) -> None:
     """Local search: move sequences off the slowest group of a micro-batch while the step time drops.
 
     Each round looks at the ``sources`` micro-batches whose slowest group stands out most above
     their next slowest, the ``items_per_group`` longest-running sequences of that group, and as
     destinations the least-loaded fitting group of every (micro-batch, size) class of the same
-    micro-batch and of the ``targets`` micro-batches with the shortest makespan; the move with the
-    largest step-time reduction is applied. Each move strictly lowers the step time, so this
-    terminates; ``deadline`` (an object with ``expired()``) stops it early. A round costs
-    O(sources x items x classes) whatever the number of micro-batches. Empty groups and micro-batches
-    are removed.
+    micro-batch and of the ``targets`` micro-batches with the shortest makespan (None: every
+    micro-batch); the move with the largest step-time reduction is applied. A class is probed for
+    room only when its least load could beat the best move so far, so a round costs
+    O(sources x items x classes) cheap bounds and few probes. Each move strictly lowers the step
+    time, so this terminates; ``deadline`` (an object with ``expired()``) stops it early. Empty
+    groups and micro-batches are removed. Every micro-batch as a destination instead of the four
+    shortest: on the paired benchmark's 56 batches at 64 GPUs, plans -0.22% at 1 s and -0.17% at
+    4 s (31 and 32 faster, 11 and 5 slower).
     """
     for mb in layout:
         mb[:] = [g for g in mb if g.seqs]
@@ -214,7 +217,7 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
             ends = sorted((tab.finish(g) for g in mb), reverse=True)
             heads.append((ends[0] - (ends[1] if len(ends) > 1 else 0.0), a))
         heads.sort(reverse=True)
-        light = sorted(range(len(layout)), key=lambda b: (spans[b], b))[:targets]
+        light = sorted(range(len(layout)), key=lambda b: (spans[b], b))[:targets]  # None: all
         best = None  # (gain, item, from_group, to_group, from_mb, to_mb)
         for _, a in heads[:sources]:
             mb = layout[a]

@@ -199,7 +199,7 @@ def test_touch_up_repeats_its_rounds_until_neither_gains():
     validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="touched up"))
 
 
-def _best_move_gain(layout, tab, sources=8, items=6, targets=4):
+def _best_move_gain(layout, tab, sources=8, items=6, targets=None):
     """Brute force over :func:`improve_layout`'s neighbourhood (every group, no index): the largest
     step-time drop (ms) one move of a sequence off a micro-batch's slowest group gives."""
     spans = [tab.mb_ms(mb) for mb in layout]
