@@ -194,8 +194,8 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
     O(sources x items x classes) cheap bounds and few probes. Each move strictly lowers the step
     time, so this terminates; ``deadline`` (an object with ``expired()``) stops it early. Empty
     groups and micro-batches are removed. Every micro-batch as a destination instead of the four
-    shortest: on the paired benchmark's 56 batches at 64 GPUs, plans -0.22% at 1 s and -0.17% at
-    4 s (31 and 32 faster, 11 and 5 slower).
+    shortest: on the paired benchmark's 56 batches at 64 GPUs, plans -0.06% to -0.22% at 1 s and
+    -0.17% to -0.21% at 4 s over two runs (31-37 faster, 5-11 slower).
     """
     for mb in layout:
         mb[:] = [g for g in mb if g.seqs]
