@@ -236,15 +236,19 @@ def _best_exchange_gain(mb, tab, partners=8):
     best = 0.0
     for k in same:
         h = mb[k]
+        shortest = sorted(h.seqs, key=lambda j: tab.lens[j])
+        # (time, tokens, tokens of all but its last) of each sequence set the partner may give back
+        backs = [(tab.time[d][y], int(tab.lens[y]), 0) for y in h.seqs]
+        for n in range(2, len(shortest) + 1):
+            part = shortest[:n]
+            backs.append((sum(tab.time[d][y] for y in part), sum(int(tab.lens[y]) for y in part),
+                          sum(int(tab.lens[y]) for y in part[:-1])))
         for x in slow.seqs:
-            shortest = sorted(h.seqs, key=lambda j: tab.lens[j])
-            backs = [[y] for y in h.seqs] + [shortest[:n] for n in range(1, len(shortest) + 1)]
-            for back in backs:
-                t_b, l_b = sum(tab.time[d][y] for y in back), sum(int(tab.lens[y]) for y in back)
+            for t_b, l_b, l_first in backs:
                 dt = tab.time[d][x] - t_b
                 if dt <= 0 or slow.tokens - tab.lens[x] + l_b > tab.cap[d] or h.tokens - l_b + tab.lens[x] > tab.cap[d]:
                     continue
-                if len(back) > 1 and h.tokens + tab.lens[x] - sum(int(tab.lens[y]) for y in back[:-1]) <= tab.cap[d]:
+                if l_first and h.tokens + tab.lens[x] - l_first <= tab.cap[d]:
                     continue  # not the fewest shortest that make room
                 best = max(best, span - max(span - dt, ends[k] + dt))
     return best
