@@ -25,6 +25,7 @@ earlier ones are full. O(n log n) for the packing, O(groups x micro-batches) for
 from __future__ import annotations
 
 import bisect
+import math
 
 import numpy as np
 
@@ -63,9 +64,9 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
     size: list[int] = []      # GPUs per open group before shrinking
     open_rooms: list[tuple[int, int]] = []  # (free tokens, group) of groups inside one node
     items = np.arange(len(lens)) if items is None else np.asarray(items, dtype=np.int64)
-    lens_l, time_l, fixed, min_size = tab._lens_l, tab._time_l, tab.fixed, tab.min_size
-    bin_cap = tab.cap[bin_size]
-    for i in items[np.argsort(-lens[items], kind="stable")].tolist():
+    order = items[np.argsort(-lens[items], kind="stable")]
+    lens_l = tab._lens_l
+    for i, d in zip(order.tolist(), opening_sizes(tab, bin_size, level, order).tolist()):
         s = lens_l[i]
         k = bisect.bisect_left(open_rooms, (s, -1))
         if k < len(open_rooms):
@@ -74,10 +75,6 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
             room[g] -= s
             bisect.insort(open_rooms, (room[g], g))
             continue
-        d = bin_size if s <= bin_cap else int(min_size[i])
-        if fixed[d] + time_l[d][i] > level:  # too slow there: the cheapest size within
-            fast = [x for x in tab.sizes if x > d and fixed[x] + time_l[x][i] <= level]
-            d = min(fast, key=lambda x: x * time_l[x][i]) if fast else max(tab.sizes)
         g = len(contents)
         contents.append([i])
         room.append(max(int(fill * tab.cap[d]) - s, 0))
@@ -85,6 +82,29 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
         if d <= node:
             bisect.insort(open_rooms, (room[g], g))
     return place_by_time(tab, _shrunk(tab, contents, size))
+
+
+def opening_sizes(tab: Tables, bin_size: int, level: float, items: np.ndarray) -> np.ndarray:
+    """GPUs of the group each of ``items`` opens in :func:`groups_first` when no open group has room
+    for it: ``bin_size`` when that holds it, else its smallest size; when that does not finish it
+    alone within ``level`` (ms), the larger size with the least GPU-time that does (the largest
+    when none does). Two calls with the same result (for the same ``items`` and ``fill``) give the
+    same layout. int64, shape ``items.shape``."""
+    sizes = np.array(tab.sizes, dtype=np.int64)
+    d0 = np.where(tab.lens[items] <= tab.cap[bin_size], bin_size, tab.min_size[items])
+    out = d0.copy()
+    if not math.isfinite(level) or not len(items):
+        return out
+    finish = np.stack([tab.fixed[d] + tab.time[d][items] for d in tab.sizes])   # [sizes, n] ms
+    row0 = np.searchsorted(sizes, d0)
+    slow = finish[row0, np.arange(len(items))] > level
+    if slow.any():
+        cols = np.flatnonzero(slow)
+        ok = (sizes[:, None] > d0[None, cols]) & (finish[:, cols] <= level)
+        work = np.stack([d * tab.time[d][items[cols]] for d in tab.sizes])
+        pick = np.where(ok, work, np.inf).argmin(axis=0)
+        out[cols] = np.where(ok.any(axis=0), sizes[pick], sizes.max())
+    return out
 
 
 def pack_at_sizes(tab: Tables, sizes: np.ndarray) -> Layout:
@@ -119,9 +139,15 @@ def _shrunk(tab: Tables, contents: list[list[int]], size: list[int]) -> list[Gro
     """Groups of the given members, each at the smallest size up to ``size`` holding its tokens."""
     groups = []
     lens_l, time_l = tab._lens_l, tab._time_l
+    caps = [tab.cap[x] for x in tab.sizes]
+    rising = caps == sorted(caps)  # then the smallest size holding the tokens is a bisection away
     for g, members in enumerate(contents):
-        tokens = sum(lens_l[i] for i in members)
-        d = min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens)
+        tokens = sum(map(lens_l.__getitem__, members))
+        k = bisect.bisect_left(caps, tokens) if rising else len(caps)
+        if k < len(caps) and tab.sizes[k] <= size[g]:
+            d = tab.sizes[k]
+        else:
+            d = min(x for x in tab.sizes if x <= size[g] and tab.cap[x] >= tokens)
         times = time_l[d]
         grp = Group(d, list(members), 0.0, tokens)
         for i in members:  # summed in order, as Tables.add does

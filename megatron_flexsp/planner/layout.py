@@ -191,7 +191,9 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
     micro-batch and of the ``targets`` micro-batches with the shortest makespan (None: every
     micro-batch); the move with the largest step-time reduction is applied. A class is probed for
     room only when its least load could beat the best move so far, so a round costs
-    O(sources x items x classes) cheap bounds and few probes. Each move strictly lowers the step
+    O(sources x items x classes) cheap bounds and few probes; each micro-batch's two slowest
+    finishes are kept and recomputed only for the two micro-batches a move changes (2.6x faster
+    on 15 common-level layouts, the same moves). Each move strictly lowers the step
     time, so this terminates; ``deadline`` (an object with ``expired()``) stops it early. Empty
     groups and micro-batches are removed. Every micro-batch as a destination instead of the four
     shortest: on the paired benchmark's 56 batches at 64 GPUs, plans -0.06% to -0.22% at 1 s and
@@ -206,45 +208,41 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
             index.add(j, g)
     sizes = sorted(tab.sizes)
     spans = [tab.mb_ms(mb) for mb in layout]
-    time_l = tab._time_l
+    time_l, fixed = tab._time_l, tab.fixed
+    # groups never change micro-batch here, so each micro-batch's classes (and their heaps, updated
+    # in place) are fixed: (micro-batch, size, fixed cost, times on that size, heap) by micro-batch
+    classes = [[(b, d, fixed[d], time_l[d], index.heaps[(b, d)]) for d in sizes if (b, d) in index.heaps]
+               for b in range(len(layout))]
+    heads = [_head(mb, tab) for mb in layout]  # (slowest finish, next slowest, slowest group)
     for _ in range(max_moves):
         if deadline is not None and deadline.expired():
             break
-        heads = []
-        for a, mb in enumerate(layout):
-            if not mb:
-                continue
-            ends = sorted((tab.finish(g) for g in mb), reverse=True)
-            heads.append((ends[0] - (ends[1] if len(ends) > 1 else 0.0), a))
-        heads.sort(reverse=True)
+        order = sorted(((h[0] - h[1], a) for a, h in enumerate(heads)), reverse=True)
         light = sorted(range(len(layout)), key=lambda b: (spans[b], b))[:targets]  # None: all
         best = None  # (gain, item, from_group, to_group, from_mb, to_mb)
-        for _, a in heads[:sources]:
-            mb = layout[a]
-            slow = max(mb, key=lambda g: (tab.finish(g), -g.size))
-            others_a = max((tab.finish(g) for g in mb if g is not slow), default=0.0)
-            moved = sorted(slow.seqs, key=lambda i: -float(tab.time[slow.size][i]))[:items_per_group]
-            keys = [(b, d) for b in dict.fromkeys([a] + light) for d in sizes]
+        for _, a in order[:sources]:
+            _, others_a, slow = heads[a]
+            span_a, slow_end, slow_time = spans[a], tab.finish(slow), time_l[slow.size]
+            moved = sorted(slow.seqs, key=lambda i: -slow_time[i])[:items_per_group]
+            dests = [c for b in dict.fromkeys([a] + light) for c in classes[b]]
             for i in moved:
-                rest = tab.finish(slow) - float(tab.time[slow.size][i]) if len(slow.seqs) > 1 else 0.0
+                rest = slow_end - slow_time[i] if len(slow.seqs) > 1 else 0.0
                 new_a = max(others_a, rest)
-                for key in keys:
-                    heap = index.heaps.get(key)
+                for b, d, f_d, times, heap in dests:
                     if not heap:
                         continue
                     # the heap's top load is at most any group's of the class (every group has an
                     # entry with its current load): a bound on the gain, to skip classes that
                     # cannot beat the best move so far without probing their groups for room
-                    b, d = key
-                    t = tab.fixed[d] + heap[0][0] + time_l[d][i]
-                    bound = spans[a] - max(new_a, t) if b == a else spans[a] - new_a - max(0.0, t - spans[b])
+                    t = f_d + heap[0][0] + times[i]
+                    bound = span_a - max(new_a, t) if b == a else span_a - new_a - max(0.0, t - spans[b])
                     if bound <= 1e-9 or (best is not None and bound <= best[0] + 1e-12):
                         continue
-                    g = index.best_fit(key, i, exclude=slow)
+                    g = index.best_fit((b, d), i, exclude=slow)
                     if g is None:
                         continue
-                    t = tab.fixed[g.size] + g.load_ms + time_l[g.size][i]
-                    gain = spans[a] - max(new_a, t) if b == a else spans[a] - new_a - max(0.0, t - spans[b])
+                    t = f_d + g.load_ms + times[i]
+                    gain = span_a - max(new_a, t) if b == a else span_a - new_a - max(0.0, t - spans[b])
                     if gain > 1e-9 and (best is None or gain > best[0] + 1e-12):
                         best = (gain, i, slow, g, a, b)
         if best is None:
@@ -254,10 +252,27 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
         tab.add(dst, i)
         index.touch(src)
         index.touch(dst)
-        spans[a], spans[b] = tab.mb_ms(layout[a]), tab.mb_ms(layout[b])
+        for j in {a, b}:
+            heads[j] = _head(layout[j], tab)
+            spans[j] = heads[j][0]
     for mb in layout:
         mb[:] = [g for g in mb if g.seqs]
     layout[:] = [mb for mb in layout if mb]
+
+
+def _head(mb: list[Group], tab: Tables) -> tuple[float, float, Group]:
+    """A micro-batch's slowest finish (ms), the next slowest (ms; 0 for one group) and its slowest
+    group (the first of the largest finish, the smaller size first among equal finishes)."""
+    top, second, slow = -1.0, 0.0, None
+    for g in mb:
+        f = tab.finish(g)
+        if slow is None or f > top or (f == top and g.size < slow.size):
+            if slow is not None:
+                second = max(second, top)
+            top, slow = f, g
+        else:
+            second = max(second, f)
+    return top, second, slow
 
 
 def drain_micro_batches(layout: list[list[Group]], tab: Tables, deadline=None, tries: int = 3) -> int:

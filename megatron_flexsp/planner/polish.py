@@ -245,19 +245,22 @@ def settle(layout: Layout, packer: LevelPacker, deadline) -> tuple[int, int]:
 
 
 def touch_up(layout: Layout, tab: Tables, deadline) -> int:
-    """The chosen plan's last pass, in the time the MILP phase leaves: exchanges in every
-    micro-batch (:func:`balance_groups`), then the local search (:func:`~planner.layout.improve_layout`),
-    again and again while a round shortens the step, in place, until ``deadline``. Each unlocks
-    the other: exchanges lower a memory-full micro-batch's makespan, after which sequences may move
-    into it, which opens new exchanges (a common-level layout of 2,048 Pareto-tailed documents at 64
-    GPUs: 18.41 s after one round, 17.78 s after two). At 64 GPUs and 1 s the polishing often ends
-    before its exchanges start, and the MILP phase rarely has the 0.05 s a micro-batch MILP needs.
-    Returns the exchanges made."""
+    """The chosen plan's last pass, in the time the MILP phase leaves: the local search
+    (:func:`~planner.layout.improve_layout`), then exchanges in every micro-batch
+    (:func:`balance_groups`), again and again while a round shortens the step, in place, until
+    ``deadline``. Each unlocks the other: exchanges lower a memory-full micro-batch's makespan,
+    after which sequences may move into it, which opens new exchanges (a common-level layout of
+    2,048 Pareto-tailed documents at 64 GPUs: 18.41 s after one round, 17.78 s after two). The
+    local search comes first because it is the cheaper of the two and this pass often has only a
+    few hundredths of a second: on a Pareto-tailed step of 4,096 documents at 64 GPUs the first
+    exchange pass took 0.04 s for -0.01%, the local search after it 0.03 s for -2.1%. At 64 GPUs
+    and 1 s the polishing often ends before its exchanges start, and the MILP phase rarely has the
+    0.05 s a micro-batch MILP needs. Returns the exchanges made."""
     exchanged = 0
     while not deadline.expired():
         before = tab.step_ms(layout)
-        exchanged += sum(balance_groups(mb, tab, deadline) for mb in layout)
         improve_layout(layout, tab, deadline=deadline)
+        exchanged += sum(balance_groups(mb, tab, deadline) for mb in layout)
         if tab.step_ms(layout) >= before * (1 - 1e-9):
             break
     return exchanged

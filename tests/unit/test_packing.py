@@ -11,7 +11,7 @@ import pytest
 from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.plan import validate_plan
 from megatron_flexsp.planner import plan_step
-from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, pack_at_sizes, place_by_time
+from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, opening_sizes, pack_at_sizes, place_by_time
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, to_step_plan
 from megatron_flexsp.planner.slot_bound import _round_sizes, dff, slot_bound, solve_slot_lp
 from megatron_flexsp.sim.corpora import synthetic_lengths
@@ -107,6 +107,31 @@ def test_groups_first_layouts_are_valid_plans(corpus, batch):
         validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="groups-first"))
     with pytest.raises(ValueError, match="bin_size=3"):
         groups_first(tab, 3)
+
+
+@pytest.mark.parametrize("corpus,batch", [("pareto-1.1", 512), ("github", 512), ("bimodal", 256)])
+def test_opening_sizes_decide_the_groups_first_layout(corpus, batch):
+    """The size a sequence's group opens at, against a per-sequence reference: its bin when that
+    holds it, else its smallest size; when too slow there under the level, the larger size with the
+    least GPU-time finishing within it (the largest when none does). Equal opening sizes give the
+    same layout, which is what lets the search pack each distinct one once."""
+    cm = _paper_cluster()
+    tab = Tables(_batch(corpus, batch, cm), cm)
+    items = np.argsort(-tab.lens, kind="stable")
+    crit = float(tab.critical_ms().max())
+    by_key = {}
+    for level in (math.inf, crit, 1.5 * crit, 3 * crit):
+        for bin_size in bin_sizes(tab)[:2]:
+            got = opening_sizes(tab, bin_size, level, items)
+            for k, i in enumerate(items.tolist()):
+                d = bin_size if tab.lens[i] <= tab.cap[bin_size] else int(tab.min_size[i])
+                if tab.fixed[d] + tab.time[d][i] > level:
+                    fast = [x for x in tab.sizes if x > d and tab.fixed[x] + tab.time[x][i] <= level]
+                    d = min(fast, key=lambda x: x * tab.time[x][i]) if fast else max(tab.sizes)
+                assert got[k] == d, (level, bin_size, int(tab.lens[i]))
+            layout = [[(g.size, tuple(g.seqs)) for g in mb] for mb in groups_first(tab, bin_size, level)]
+            assert by_key.setdefault(got.tobytes(), layout) == layout
+    assert 1 < len(by_key) < 8  # some levels change the opening sizes, some do not
 
 
 def test_lp_rounding_follows_the_shares():
