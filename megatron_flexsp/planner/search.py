@@ -14,8 +14,10 @@ per micro-batch):
   geometric grid and is then refined around the best point. In good plans every micro-batch but
   the last has about the same makespan, which is what one common level gives.
 * **stuffed first, split rest** (or **packed groups first**): the first micro-batch stuffed at a
-  level ``T1`` from a small grid above the longest sequence's fastest finish, the rest split as
-  below into ``m - 1``, or packed by memory as in the first family (where memory sets the count).
+  level ``T1`` from a small grid above the longest sequence's fastest finish, or at the level where
+  the rest first fits one micro-batch fewer than the memory minimum
+  (:meth:`~megatron_flexsp.planner.level.LevelPacker.fill_level`), the rest split as below into
+  ``m - 1``, or packed by memory as in the first family (where memory sets the count).
 * **balanced split** into ``m`` micro-batches: sequences heaviest first (least GPU-time over the sizes
   that hold them) to the lightest micro-batch with token room, then each micro-batch packed at its
   smallest level (bisection). This mixes long and short sequences in every micro-batch, so memory
@@ -355,7 +357,15 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    two thirds of the time left, the rest for the balanced split
     own = deadline.capped(time.perf_counter() + deadline.left() * 2 / 3)
     firsts = []
-    for t1 in first_levels(packer, items, crit, max(crit, 2 * (f_min + area / (n_gpus * m_min)))):
+    top = max(crit, 2 * (f_min + area / (n_gpus * m_min)))
+    levels = set(first_levels(packer, items, crit, top))
+    if m_min > 1:  # where the rest first fits one micro-batch fewer (memory full, or 2% free)
+        mb_tokens = tab.cm.capacity_tokens * n_gpus
+        for share in (1.0, 0.98):
+            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top)
+            if fits is not None:
+                levels.add(fits)
+    for t1 in sorted(levels):
         if own.expired():
             break
         first, left = packer.stuff(items, t1)

@@ -182,3 +182,44 @@ def test_a_stuffed_first_micro_batch_then_the_rest_groups_first():
         plan = to_step_plan(layout, tab, strategy="flexsp", method="stuffed+groups")
         validate_plan(plan)
         assert simulate(plan, cm).memory_ok
+
+
+def test_the_stuffing_level_where_the_rest_fits_one_micro_batch_fewer():
+    """Pareto-tailed documents (alpha 1.3, 2,048 a step) on 64 GPUs fill 2.76 micro-batches of
+    memory. The fill level (bisection) is where the stuffed first micro-batch leaves a rest that
+    fits two: it leaves at most that many tokens, and a level just below it leaves more. The
+    search tries it, and its stuffed plans beat every stuffed plan from the grid of first levels
+    alone (the rest split or packed groups first, as the search does)."""
+    from tests.unit.test_packing import _paper_cluster
+    from megatron_flexsp.planner.search import first_levels, groups_first_layouts, split_pack
+    from megatron_flexsp.sim.corpora import synthetic_lengths
+    from megatron_flexsp.sim.workloads import sample_batches
+
+    cm = _paper_cluster(64)
+    batch = sample_batches(synthetic_lengths("pareto-1.3", seed=1), global_batch=2048, num_batches=4,
+                           seed=0, max_seq_len=196608)[0][0]
+    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
+    packer = LevelPacker(tab)
+    items = np.arange(len(tab.lens))
+    m_min = min_micro_batches(tab)
+    assert m_min == 3
+    crit = float(packer.critical.max())
+    top = max(crit, 2 * (packer.f_min + float(packer.gpu_time_min.sum()) / (64 * m_min)))
+    rest = 2 * cm.capacity_tokens * 64
+    level = packer.fill_level(items, rest, crit, top)
+    assert level is not None and crit < level < top
+    assert int(tab.lens[packer.stuff(items, level)[1]].sum()) <= rest
+    assert int(tab.lens[packer.stuff(items, level * (1 - 5e-3))[1]].sum()) > rest
+
+    grid_best = math.inf
+    for t1 in first_levels(packer, items, crit, top):
+        first, left = packer.stuff(items, t1)
+        if not first or not len(left):
+            continue
+        m_rest = math.ceil(int(tab.lens[left].sum()) / rest * 2)
+        tails = list(groups_first_layouts(tab, left, Deadline(10.0)))
+        tails += [t for t in (split_pack(packer, left, m, Deadline(10.0)) for m in (m_rest, m_rest + 1)) if t]
+        grid_best = min([grid_best] + [tab.mb_ms(first) + tab.step_ms(t) for t in tails])
+    found = search_step(tab, packer, m_min=m_min, upper_ms=math.inf, deadline=Deadline(10.0))
+    stuffed = min(ms for ms, name, _ in found if name.startswith("stuffed"))
+    assert stuffed < 0.995 * grid_best, (stuffed, grid_best)
