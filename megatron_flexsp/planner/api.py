@@ -177,8 +177,8 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
-    fast search (to 42% of the budget), polishing (to 62%), the LP bound (to 79%), plans rounded
-    from its relaxation (to 83%), then the MILPs (``search="milp"``) on what is left, ending at 87%
+    fast search (to 42% of the budget), polishing (to 55%), the LP bound (to 81%), plans rounded
+    from its relaxation (to 84%), then the MILPs (``search="milp"``) on what is left, ending at 87%
     of the budget, and the chosen plan touched up (exchanges and the local search) to 90%
     (assembling the plan follows)."""
     info: dict = {}
@@ -205,7 +205,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    local = _phase(deadline, cfg, 0.62)
+    local = _phase(deadline, cfg, 0.55)
     if dcp is not None:
         found.append(candidates.pop())
         found.sort(key=lambda c: c[0])
@@ -227,14 +227,14 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=_phase(deadline, cfg, 0.79),
+                           deadline=_phase(deadline, cfg, 0.81),
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
                            hints=GUIDED_HINTS)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
-            candidates += _guided(tab, packer, lp.hints, best_ms, _phase(deadline, cfg, 0.83), info)
+            candidates += _guided(tab, packer, lp.hints, best_ms, _phase(deadline, cfg, 0.84), info)
             best_ms = min(c[0] for c in candidates)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
