@@ -297,7 +297,8 @@ def _phase_ends(budget_s: float) -> dict[str, float]:
     the polishing and 0.02 s from the rounding, which takes 0.01 s from the MILPs; the ends were
     62/79/83%), where 0.17 s left the bound of many 64-GPU batches unconverged. Past 1 s those
     moves stay 0.07, 0.02 and 0.01 s, and the search and polishing, whose work grows with the
-    batch, keep the rest: at 1,024 GPUs and 9 s, polishing to 55% cost lognormal-4k plans 1.1-1.4%."""
+    batch, keep the rest (at 1,024 GPUs and 9 s the 1 s shares and these gave the same plans and
+    bounds on lognormal-4k and -16k steps, within their run-to-run variation)."""
     f = min(1.0, 1.0 / max(budget_s, 1e-9))
     return {"polish": 0.62 - 0.07 * f, "bound": 0.79 + 0.02 * f, "guided": 0.83 + 0.01 * f}
 
