@@ -231,13 +231,15 @@ class LevelPacker:
         return better
 
     def fill_level(self, items: np.ndarray, rest_tokens: int, lo: float, hi: float,
-                   rel_tol: float = 2e-3) -> float | None:
+                   rel_tol: float = 2e-3, deadline=None) -> float | None:
         """About the smallest level in ``[lo, hi]`` (ms) at which :meth:`stuff` leaves at most
         ``rest_tokens`` tokens of ``items`` out (bisection; a higher level stuffs more), or None
         when even ``hi`` leaves more. Where memory sets the micro-batch count, that is where the
         rest first fits one micro-batch fewer: on a Pareto-tailed step of 2,048 documents at 64
         GPUs (three micro-batches), the rest fit two from 2,420 ms on, which no level of the
-        search's grid (2,228 then 2,814 ms) gave, and the plan went from 6.20 to 6.12 s."""
+        search's grid (2,228 then 2,814 ms) gave, and the plan went from 6.20 to 6.12 s. Past
+        ``deadline`` (if given) the bisection stops at the lowest level found that leaves at most
+        ``rest_tokens``."""
         def left_tokens(level: float) -> int:
             return int(self.tab.lens[self.stuff(items, level)[1]].sum())
 
@@ -245,7 +247,7 @@ class LevelPacker:
             return None
         if left_tokens(lo) <= rest_tokens:
             return lo
-        while hi - lo > rel_tol * hi:
+        while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
             mid = 0.5 * (lo + hi)
             if left_tokens(mid) <= rest_tokens:
                 hi = mid

@@ -362,7 +362,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     if m_min > 1:  # where the rest first fits one micro-batch fewer (memory full, or 2% free)
         mb_tokens = tab.cm.capacity_tokens * n_gpus
         for share in (1.0, 0.98):
-            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top)
+            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top, deadline=own)
             if fits is not None:
                 levels.add(fits)
     for t1 in sorted(levels):
