@@ -57,16 +57,27 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
         raise ValueError(f"fill={fill} must be in (0, 1]")
     if bin_size not in tab.sizes:
         raise ValueError(f"bin_size={bin_size} is not an allowed group size {tab.sizes}")
+    items = np.arange(len(tab.lens)) if items is None else np.asarray(items, dtype=np.int64)
+    order = longest_first(tab, items)
+    return pack_opening(tab, order, opening_sizes(tab, bin_size, level, order), fill)
+
+
+def longest_first(tab: Tables, items: np.ndarray) -> np.ndarray:
+    """``items`` longest first (ties in their given order): the order :func:`groups_first` packs."""
+    return items[np.argsort(-tab.lens[items], kind="stable")]
+
+
+def pack_opening(tab: Tables, order: np.ndarray, opens: np.ndarray, fill: float = 1.0) -> Layout:
+    """The packing of :func:`groups_first` for sequences ``order`` (longest first) whose groups
+    open at ``opens`` GPUs (:func:`opening_sizes`): each by best fit into an open group inside
+    one node with room, else into a new group of its opening size."""
     node = tab.cm.cluster.gpus_per_node
-    lens = tab.lens
     contents: list[list[int]] = []
     room: list[int] = []      # free tokens per open group
     size: list[int] = []      # GPUs per open group before shrinking
     open_rooms: list[tuple[int, int]] = []  # (free tokens, group) of groups inside one node
-    items = np.arange(len(lens)) if items is None else np.asarray(items, dtype=np.int64)
-    order = items[np.argsort(-lens[items], kind="stable")]
     lens_l = tab._lens_l
-    for i, d in zip(order.tolist(), opening_sizes(tab, bin_size, level, order).tolist()):
+    for i, d in zip(order.tolist(), opens.tolist()):
         s = lens_l[i]
         k = bisect.bisect_left(open_rooms, (s, -1))
         if k < len(open_rooms):

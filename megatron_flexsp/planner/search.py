@@ -38,7 +38,7 @@ import time
 
 import numpy as np
 
-from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, opening_sizes
+from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, longest_first, opening_sizes, pack_opening
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
@@ -263,17 +263,17 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
     needed (when that leaves over 2% free). Milliseconds each; none once ``deadline`` has passed."""
     crit = float(tab.critical_ms()[items].max())
     packed = []
-    order = items[np.argsort(-tab.lens[items], kind="stable")]
+    order = longest_first(tab, items)
     seen = set()  # the groups' opening sizes: equal ones give the same layout (packed once)
     for level in [math.inf] + level_grid(crit, 3 * crit, 4):
         for bin_size in bin_sizes(tab)[:2]:
             if deadline.expired():
                 break
-            key = opening_sizes(tab, bin_size, level, order).tobytes()
-            if key in seen:
+            opens = opening_sizes(tab, bin_size, level, order)
+            if opens.tobytes() in seen:
                 continue
-            seen.add(key)
-            layout = groups_first(tab, bin_size, level, items=items)
+            seen.add(opens.tobytes())
+            layout = pack_opening(tab, order, opens)
             packed.append((tab.step_ms(layout), len(packed), layout))
     if not packed:
         return []
