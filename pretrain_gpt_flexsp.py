@@ -187,5 +187,39 @@ def _close_process_groups() -> None:
         dist.destroy_process_group()
 
 
+def _leave(code: int | str | None) -> None:
+    """End the process with ``code`` (as ``SystemExit`` would) without the interpreter's own
+    finalization: TensorBoard's writer is flushed and closed, the atexit handlers run (logging,
+    multiprocessing's children, W&B), the standard streams are flushed, then ``os._exit``. Tearing
+    down the modules Megatron imports does nothing for a run that has ended and takes about 2 s per
+    process: 4-5 s of every 4-rank launch on 2 CPU cores, after the last rank is done."""
+    import atexit
+
+    if code is None:
+        code = 0
+    elif not isinstance(code, int):  # printed, exit status 1, as the interpreter does
+        print(code, file=sys.stderr)
+        code = 1
+    if "megatron.training.global_vars" in sys.modules:
+        from megatron.training.global_vars import get_tensorboard_writer
+
+        writer = get_tensorboard_writer()
+        if writer is not None:
+            writer.close()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    try:
+        status = main(sys.argv[1:])
+    except SystemExit as stop:  # Megatron's exit paths and argument errors
+        status = stop.code
+    except Exception:  # the traceback as the interpreter prints it, exit status 1
+        import traceback
+
+        traceback.print_exc()
+        status = 1
+    _leave(status)

@@ -193,6 +193,9 @@ MUTATIONS = (
              "num_tokens = torch.tensor(mask.numel(), dtype=torch.int)", (TRAIN,)),
     Mutation("cp-switch", "the model's context-parallel group is not switched per micro-batch",
              "patches/context_parallel.py", "            pg.cp = group\n", "            pass\n", (TRAIN,)),
+    Mutation("exit-handlers", "the script leaves without running the atexit handlers",
+             "pretrain_gpt_flexsp.py", "    atexit._run_exitfuncs()\n", "    pass\n",
+             ("tests/unit/test_entry_script.py::test_the_script_leaves_as_system_exit_would_after_the_exit_handlers",)),
 )
 
 

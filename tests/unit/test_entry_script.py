@@ -1,5 +1,6 @@
 """pretrain_gpt_flexsp.py: plan-only mode, and bad input refused before any training starts."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -95,3 +96,25 @@ def test_bad_input_is_refused_with_the_value(tmp_path, extra, message):
     assert out.returncode != 0
     expected = message or "--calculate-per-token-loss is required"
     assert expected in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.parametrize("code, status, stderr", [(None, 0, ""), (0, 0, ""), (3, 3, ""),
+                                                  ("'stopped: disk full'", 1, "stopped: disk full")])
+def test_the_script_leaves_as_system_exit_would_after_the_exit_handlers(code, status, stderr, tmp_path):
+    """``_leave`` (the end of every run of the script) skips the interpreter's finalization, so it
+    must keep what that would have done for the user: the exit status SystemExit gives (a message
+    printed, status 1), the atexit handlers (here one writing a file after buffered output)."""
+    program = (f"import atexit, pathlib, sys\n"
+               f"sys.path.insert(0, {str(ROOT)!r})\n"
+               f"from pretrain_gpt_flexsp import _leave\n"
+               f"atexit.register(lambda: pathlib.Path('handler_ran').write_text('yes'))\n"
+               f"print('buffered', end='')\n"
+               f"_leave({code})\n"
+               f"print('never')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # stdout block-buffered
+    proc = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, env=env)
+    assert proc.returncode == status
+    assert proc.stdout == "buffered"
+    assert proc.stderr.strip() == stderr
+    assert (tmp_path / "handler_ran").read_text() == "yes"
