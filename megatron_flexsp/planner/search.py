@@ -270,9 +270,10 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
             if deadline.expired():
                 break
             opens = opening_sizes(tab, bin_size, level, order)
-            if opens.tobytes() in seen:
+            key = opens.tobytes()
+            if key in seen:
                 continue
-            seen.add(opens.tobytes())
+            seen.add(key)
             layout = pack_opening(tab, order, opens)
             packed.append((tab.step_ms(layout), len(packed), layout))
     if not packed:
@@ -359,8 +360,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     firsts = []
     top = max(crit, 2 * (f_min + area / (n_gpus * m_min)))
     levels = set(first_levels(packer, items, crit, top))
+    mb_tokens = tab.cm.capacity_tokens * n_gpus
     if m_min > 1:  # where the rest first fits one micro-batch fewer (memory full, or 2% free)
-        mb_tokens = tab.cm.capacity_tokens * n_gpus
         for share in (1.0, 0.98):
             fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top, deadline=own)
             if fits is not None:
@@ -371,7 +372,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         first, left = packer.stuff(items, t1)
         if not first or not len(left):
             continue
-        m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / (tab.cm.capacity_tokens * n_gpus)))
+        m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
         estimate = tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
         firsts.append((estimate, t1, first, left, m_rest))
     for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
