@@ -198,3 +198,35 @@ def test_paired_benchmark_pairs_each_batch_with_the_baseline_run(tmp_path):
     assert f"a.json (commit {commit})`" in md  # the baseline is named with the commit it ran
     _, md = run("lognormal-1k:512", "c", "--baseline", str(tmp_path / "a.json"))
     assert "no common batches" in md
+
+
+def test_paired_benchmark_side_by_side_plans_every_batch_with_both_trees_in_turn(tmp_path):
+    """``--against`` with a folder (here this checkout itself, so both sides run the same code): every
+    batch planned by both worker processes at every repeat, which goes first alternating; the same
+    plans on both sides of a tiny cell; a revision that does not exist is refused by name."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "scripts" / "bench_planner_paired.py"
+    out, md = tmp_path / "ab.json", tmp_path / "ab.md"
+    subprocess.run([sys.executable, str(script), "--cells", "lognormal-1k:256", "--batches", "2", "--budgets",
+                    "0.3", "--repeats", "2", "--against", str(root), "--out", str(out), "--md", str(md)],
+                   check=True, capture_output=True, text=True)
+    rows = json.loads(out.read_text())["rows"]
+    order = [(r["repeat"], r["batch"], r["version"]) for r in rows]
+    assert order == [(0, 0, "this"), (0, 0, "against"), (0, 1, "against"), (0, 1, "this"),
+                     (1, 0, "against"), (1, 0, "this"), (1, 1, "this"), (1, 1, "against")]
+    assert all(r["bound_ms"] <= r["step_ms"] for r in rows)
+    # the same code on both sides: the tiny batches' plans agree (within the budget's timing)
+    by = {(r["repeat"], r["batch"], r["version"]): r["step_ms"] for r in rows}
+    assert all(abs(by[k, b, "this"] / by[k, b, "against"] - 1) < 0.05 for k in range(2) for b in range(2))
+    line = next(x for x in md.read_text().splitlines() if x.startswith("| 0.3 |"))
+    cols = [c.strip() for c in line.strip("|").split("|")]
+    assert cols[:3] == ["0.3", "2", "2"] and "±" in cols[5] and "±" in cols[8], line
+    bad = subprocess.run([sys.executable, str(script), "--cells", "lognormal-1k:256", "--batches", "1",
+                          "--budgets", "0.3", "--against", "no-such-revision-xyz", "--out", str(tmp_path / "x.json")],
+                         capture_output=True, text=True)
+    assert bad.returncode != 0 and "'no-such-revision-xyz' is neither a folder nor a git revision" in bad.stderr
