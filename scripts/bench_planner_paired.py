@@ -289,23 +289,32 @@ def main() -> int:
         raise ValueError(f"--repeats {args.repeats} must be >= 1")
     if args.against and args.baseline:
         raise ValueError("--against and --baseline are two ways to compare: give one")
-    if args.against:
-        with checkout(args.against) as tree:
-            commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
-                                    capture_output=True, text=True).stdout.strip() or "unknown"
-            result = {"provenance": provenance(profile=args.profile, model=args.model, num_gpus=args.gpus,
-                                               max_seq_len=args.max_seq_len, cells=args.cells,
-                                               against=f"{args.against} (commit {commit})"),
-                      "rows": plan_side_by_side(args, tree)}
-        lines = header_lines("Paired planner benchmark, side by side", result["provenance"])
-        lines += side_by_side_table(result["rows"])
-        lines += ["", "Each batch planned by both trees in turn, in the same run; changes are this tree's "
-                  "over the other's, per batch (means over the repeats), with a 95% interval over the "
-                  "batches. The last column compares the other tree with itself between repeats."]
-        print("\n".join(lines))
-        for path in write_outputs(args.out, result, args.md, lines if args.md else None):
-            print(f"wrote {path}")
-        return 0
+    result, lines = side_by_side_report(args) if args.against else paired_report(args)
+    print("\n".join(lines))
+    for path in write_outputs(args.out, result, args.md, lines if args.md else None):
+        print(f"wrote {path}")
+    return 0
+
+
+def side_by_side_report(args) -> tuple[dict, list[str]]:
+    """``--against``: the rows of :func:`plan_side_by_side` and their table."""
+    with checkout(args.against) as tree:
+        commit = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip() or "unknown"
+        result = {"provenance": provenance(profile=args.profile, model=args.model, num_gpus=args.gpus,
+                                           max_seq_len=args.max_seq_len, cells=args.cells,
+                                           against=f"{args.against} (commit {commit})"),
+                  "rows": plan_side_by_side(args, tree)}
+    lines = header_lines("Paired planner benchmark, side by side", result["provenance"])
+    lines += side_by_side_table(result["rows"])
+    lines += ["", "Each batch planned by both trees in turn, in the same run; changes are this tree's "
+              "over the other's, per batch (means over the repeats), with a 95% interval over the "
+              "batches. The last column compares the other tree with itself between repeats."]
+    return result, lines
+
+
+def paired_report(args) -> tuple[dict, list[str]]:
+    """This tree alone (against ``--baseline``, an earlier run's JSON, when given): rows and tables."""
     cm = CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
                                 max_seq_len=args.max_seq_len)
     before = json.loads(Path(args.baseline).read_text()) if args.baseline else None
@@ -325,10 +334,7 @@ def main() -> int:
             gaps = [r["gap"] for r in result["rows"] if r["cell"] == cell and r["budget_s"] == budget]
             parts.append(f"{np.median(gaps):.2%} / {max(gaps):.2%}")
         lines.append(f"| {cell} | " + " | ".join(parts) + " |")
-    print("\n".join(lines))
-    for path in write_outputs(args.out, result, args.md, lines if args.md else None):
-        print(f"wrote {path}")
-    return 0
+    return result, lines
 
 
 if __name__ == "__main__":
