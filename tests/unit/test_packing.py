@@ -37,12 +37,26 @@ def _batch(corpus, size, cm):
 
 def test_dual_feasible_functions_never_sum_above_one_in_a_full_group():
     """Every multiset of lengths that fits ``cap`` has sum u_k <= 1 (exhaustive on a small cap)."""
-    cap = 60
-    for k in range(1, 9):
-        for r in range(1, 6):
-            for combo in itertools.combinations_with_replacement(range(1, cap + 1), r):
-                if sum(combo) <= cap:
-                    assert dff(np.array(combo), cap, k).sum() <= 1 + 1e-12, (k, combo)
+    cap, most = 60, 5
+
+    def fitting(smallest, room, r):  # multisets of r lengths >= smallest summing to at most room
+        if r == 0:
+            yield ()
+            return
+        for x in range(smallest, room // r + 1):
+            for rest in fitting(x, room - x, r - 1):
+                yield (x,) + rest
+
+    for r in range(1, most + 1):
+        combos = np.array(list(fitting(1, cap, r)), dtype=np.int64)
+        # every multiset of r lengths that fits, none twice: as many as the brute-force filter keeps
+        if r <= 3:
+            assert len(combos) == sum(1 for c in itertools.combinations_with_replacement(range(1, cap + 1), r)
+                                      if sum(c) <= cap)
+        for k in range(1, 9):
+            sums = dff(combos.ravel(), cap, k).reshape(combos.shape).sum(axis=1)
+            worst = int(sums.argmax())
+            assert sums[worst] <= 1 + 1e-12, (k, combos[worst].tolist())
     # and u_1 counts what is over half: two such lengths never share
     assert dff(np.array([31, 30, 29]), cap, 1).tolist() == [1.0, 0.5, 0.0]
 
