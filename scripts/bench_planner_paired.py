@@ -94,8 +94,12 @@ def plan_cells(args, cm: CostModel) -> list[dict]:
 _ANSWER = "@@plan "
 _WORKER = f"""
 import gc, json, sys, time
+from pathlib import Path
 sys.path.insert(0, sys.argv[1])
 import numpy as np
+import megatron_flexsp
+if not Path(megatron_flexsp.__file__).resolve().is_relative_to(Path(sys.argv[1]).resolve()):
+    sys.exit(f"megatron_flexsp came from {{megatron_flexsp.__file__}}, not from {{sys.argv[1]}}")
 from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.cost_model import CostModel, load_profile
 from megatron_flexsp.model_spec import get_model
@@ -147,8 +151,13 @@ class _Worker:
                            f"{self.log.read_text()[-3000:]}")
 
     def close(self) -> None:
-        self.proc.stdin.close()
-        self.proc.wait(timeout=60)
+        with contextlib.suppress(OSError):  # a worker that failed has closed its end already
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
         self.err.close()
 
 
@@ -157,6 +166,8 @@ def checkout(rev: str):
     """A folder holding ``rev``: the folder itself when ``rev`` is one, else a temporary git worktree
     of that revision (removed afterwards)."""
     if Path(rev).is_dir():
+        if not (Path(rev) / "megatron_flexsp" / "__init__.py").is_file():
+            raise ValueError(f"--against {rev!r} is a folder without megatron_flexsp/ (not a checkout)")
         yield Path(rev).resolve()
         return
     tmp = Path(tempfile.mkdtemp(prefix="flexsp-against-"))

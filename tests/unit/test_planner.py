@@ -203,7 +203,8 @@ def test_paired_benchmark_pairs_each_batch_with_the_baseline_run(tmp_path):
 def test_paired_benchmark_side_by_side_plans_every_batch_with_both_trees_in_turn(tmp_path):
     """``--against`` with a folder (here this checkout itself, so both sides run the same code): every
     batch planned by both worker processes at every repeat, which goes first alternating; the same
-    plans on both sides of a tiny cell; a revision that does not exist is refused by name."""
+    plans on both sides of a tiny cell; a revision that does not exist, or a folder that holds no
+    checkout, is refused by name."""
     import json
     import subprocess
     import sys
@@ -230,3 +231,7 @@ def test_paired_benchmark_side_by_side_plans_every_batch_with_both_trees_in_turn
                           "--budgets", "0.3", "--against", "no-such-revision-xyz", "--out", str(tmp_path / "x.json")],
                          capture_output=True, text=True)
     assert bad.returncode != 0 and "'no-such-revision-xyz' is neither a folder nor a git revision" in bad.stderr
+    empty = subprocess.run([sys.executable, str(script), "--cells", "lognormal-1k:256", "--batches", "1",
+                            "--budgets", "0.3", "--against", str(tmp_path), "--out", str(tmp_path / "y.json")],
+                           capture_output=True, text=True)
+    assert empty.returncode != 0 and "is a folder without megatron_flexsp/ (not a checkout)" in empty.stderr
