@@ -227,13 +227,15 @@ def side_by_side_table(rows: list[dict]) -> list[str]:
              "against: repeat 2 vs 1 |", "|---|---|---|---|---|---|---|---|---|"]
     for budget in sorted({r["budget_s"] for r in rows}):
         mine = [r for r in rows if r["budget_s"] == budget]
+        runs: dict[tuple, list[dict]] = {}  # (version, cell, batch) -> its repeats
+        for r in mine:
+            runs.setdefault((r["version"], r["cell"], r["batch"]), []).append(r)
         keys = list(dict.fromkeys((r["cell"], r["batch"]) for r in mine))
 
-        def mean(version, key, field):
-            return float(np.mean([r[field] for r in mine if r["version"] == version
-                                  and (r["cell"], r["batch"]) == key]))
-        plans = [(mean("against", k, "step_ms"), mean("this", k, "step_ms")) for k in keys]
-        bounds = [(mean("against", k, "bound_ms"), mean("this", k, "bound_ms")) for k in keys]
+        def pairs(field):  # (against, this) per batch, each the mean over the repeats
+            return [tuple(float(np.mean([r[field] for r in runs[v, *k]])) for v in ("against", "this"))
+                    for k in keys]
+        plans, bounds = pairs("step_ms"), pairs("bound_ms")
         gaps = {v: np.mean([r["gap"] for r in mine if r["version"] == v]) for v in ("this", "against")}
         p99 = {v: np.percentile([r["plan_s"] for r in mine if r["version"] == v], 99) for v in ("this", "against")}
         repeats = max(r["repeat"] for r in mine) + 1
