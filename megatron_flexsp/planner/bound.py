@@ -80,17 +80,21 @@ class _CountSearch:
         self.made = 0
         self._bases: dict[int, object] = {}  # an open box's LP basis, by its heap id
         self._pending: set[int] = set()  # open boxes whose pooled cap is not yet refined
+        self._first: dict[int, float] = {}  # a pending box's own first solve (the refinement's start)
         if box[0][1] > t1_lo:
             self._push(box, deadline)
 
-    def _push(self, box: Box, deadline) -> None:
+    def _push(self, box: Box, deadline, parent_ms: float = 0.0) -> None:
         """Bound ``box`` by one solve; its refinement (:meth:`_StepLP.refine`) waits until it is
-        the lowest box (most boxes never are)."""
-        val, settled = self.lp.first_probe(box, self._r_cap(box))
+        the lowest box (most boxes never are). ``parent_ms``: a bound proven for a box holding
+        this one (its parent's, often refined above what one solve here proves), kept as a floor."""
+        first, settled = self.lp.first_probe(box, self._r_cap(box))
+        val = max(first, parent_ms)
         if val < self.target:
             self._bases[self.made] = self.lp.basis()
             if not settled:
                 self._pending.add(self.made)
+                self._first[self.made] = first
             heapq.heappush(self.heap, (val, self.made, box))
             self.made += 1
 
@@ -121,11 +125,13 @@ class _CountSearch:
         if top[1] in self._pending:
             self.lp.start_from(self._bases[top[1]])
             try:
-                val = self.lp.refine(bx, self._r_cap(bx), top[0], self.rel_tol, deadline)
+                val = max(top[0], self.lp.refine(bx, self._r_cap(bx), self._first[top[1]], self.rel_tol,
+                                                 deadline))
             except SolverTrouble:
                 heapq.heappush(self.heap, top)
                 raise
             self._pending.discard(top[1])
+            del self._first[top[1]]
             if val < self.target:
                 self._bases[top[1]] = self.lp.basis()
                 heapq.heappush(self.heap, (val, top[1], bx))
@@ -137,7 +143,7 @@ class _CountSearch:
         try:
             for child in _children(bx, p):
                 self.lp.start_from(basis)
-                self._push(child, deadline)
+                self._push(child, deadline, top[0])
         except SolverTrouble:
             self._bases[top[1]] = basis
             heapq.heappush(self.heap, top)  # its children may be missing: keep it whole

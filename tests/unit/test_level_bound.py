@@ -1,6 +1,8 @@
 """Level packing (the default search) and the LP lower bound: valid plans, a valid bound, no worse
 than the baselines; the bound never exceeds the brute-force optimum on tiny instances."""
 
+import math
+
 import numpy as np
 import pytest
 
@@ -349,3 +351,24 @@ def test_a_count_is_searched_only_once_its_floor_is_the_lowest(seed, monkeypatch
         assert floors[c] <= r.bound_ms * (1 + 1e-9), (c, floors, r.bound_ms)
     skipped = set(range(m0, m0 + 3)) - set(built)
     assert all(floors[c] >= r.bound_ms * (1 - 1e-9) for c in skipped)
+
+
+def test_a_count_search_never_gives_back_a_bound_it_proved():
+    """A box's halves are first bounded by one solve each, which can prove less than the refined
+    bound of the box they split (here 27.09 against 27.16-27.22 ms, again and again): they keep
+    that bound, so a count's bound never falls while its search goes on (a deadline may stop it
+    anywhere), and it stays below the plan found."""
+    from megatron_flexsp.planner.bound import _CountSearch, bound_units
+
+    cm = tiny_cost_model(num_gpus=8)
+    lens = np.array([89, 38, 48, 55, 42, 59, 102, 61, 91, 112, 292])
+    tab = Tables(lens, cm)
+    plan_ms = plan_step(lens, cm).predicted_step_ms
+    search = _CountSearch(tab, 2, bound_units(tab, max_single=6, num_buckets=4), target_ms=plan_ms,
+                          rel_tol=0.002, t1_lo=float(tab.critical_ms().max()), t1_hi=math.inf, explicit=1)
+    seen = []
+    while not search.done() and search.solves < 200:
+        search.step()
+        seen.append(search.bound)
+    assert len(seen) > 10 and seen == sorted(seen), seen
+    assert 27.2 <= seen[-1] <= plan_ms
