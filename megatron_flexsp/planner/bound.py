@@ -79,8 +79,8 @@ class _CountSearch:
         self.heap: list[tuple[float, int, Box]] = []
         self.made = 0
         self._bases: dict[int, object] = {}  # an open box's LP basis, by its heap id
-        self._pending: set[int] = set()  # open boxes whose pooled cap is not yet refined
-        self._first: dict[int, float] = {}  # a pending box's own first solve (the refinement's start)
+        # open boxes whose pooled cap is not yet refined -> their own first solve (the refinement's start)
+        self._pending: dict[int, float] = {}
         if box[0][1] > t1_lo:
             self._push(box, deadline)
 
@@ -93,8 +93,7 @@ class _CountSearch:
         if val < self.target:
             self._bases[self.made] = self.lp.basis()
             if not settled:
-                self._pending.add(self.made)
-                self._first[self.made] = first
+                self._pending[self.made] = first
             heapq.heappush(self.heap, (val, self.made, box))
             self.made += 1
 
@@ -125,13 +124,12 @@ class _CountSearch:
         if top[1] in self._pending:
             self.lp.start_from(self._bases[top[1]])
             try:
-                val = max(top[0], self.lp.refine(bx, self._r_cap(bx), self._first[top[1]], self.rel_tol,
+                val = max(top[0], self.lp.refine(bx, self._r_cap(bx), self._pending[top[1]], self.rel_tol,
                                                  deadline))
             except SolverTrouble:
                 heapq.heappush(self.heap, top)
                 raise
-            self._pending.discard(top[1])
-            del self._first[top[1]]
+            del self._pending[top[1]]
             if val < self.target:
                 self._bases[top[1]] = self.lp.basis()
                 heapq.heappush(self.heap, (val, top[1], bx))
