@@ -372,3 +372,33 @@ def test_a_count_search_never_gives_back_a_bound_it_proved():
         seen.append(search.bound)
     assert len(seen) > 10 and seen == sorted(seen), seen
     assert 27.2 <= seen[-1] <= plan_ms
+
+
+def test_few_micro_batches_go_to_all_but_one_explicit_at_once(monkeypatch):
+    """A count whose search with one explicit micro-batch is done is searched again with more: up
+    to four micro-batches straight with every one but the last explicit (the search with two took
+    hundreds of LP solves on bimodal steps where three rose twice as fast), from five on one more at
+    a time. Every search's bound stays below the brute-force optimum."""
+    from megatron_flexsp.planner import bound as bound_mod
+
+    built: list[tuple[int, int]] = []
+
+    class Counting(bound_mod._CountSearch):
+        def __init__(self, tab, m, *args, explicit, **kw):
+            built.append((m, explicit))
+            super().__init__(tab, m, *args, explicit=explicit, **kw)
+
+    monkeypatch.setattr(bound_mod, "_CountSearch", Counting)
+    escalated = set()
+    for seed in range(6):
+        cm, lens, opt = many_micro_batch_instance(seed)
+        tab = Tables(np.asarray(lens), cm)
+        built.clear()
+        r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=2000, max_extra=2)
+        assert r.bound_ms <= opt * (1 + 1e-6), (seed, r.bound_ms, opt)
+        for m in {c for c, _ in built}:
+            ks = [k for c, k in built if c == m]
+            want = [1, min(3, m)] if m <= 4 else [1, 2, 3]
+            assert ks == want[:len(ks)], (seed, m, ks)
+            escalated |= {(m <= 4, len(ks) > 1)}
+    assert (True, True) in escalated and (False, True) in escalated, escalated
