@@ -12,7 +12,8 @@ Strategies (same harness, same cost model, same packing helpers):
   bound (:mod:`bound`, an LP relaxation searched over the slowest micro-batches' makespans), then with
   ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
   plan on the time left: they improve it or prove it, and their dual bound tightens the gap; the
-  chosen plan is touched up (:func:`polish.touch_up`) until 90% of the budget.
+  chosen plan is touched up (:func:`polish.touch_up`; the runners-up first get a local search,
+  :func:`polish.search_runners_up`) until 90% of the budget.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, base_range, level_grid, search_step
 from megatron_flexsp.planner.groups_first import pack_at_sizes
 from megatron_flexsp.planner.guided import guided_candidates
-from megatron_flexsp.planner.polish import polish, touch_up
+from megatron_flexsp.planner.polish import polish, search_runners_up, touch_up
 from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
 from megatron_flexsp.utils.logging import get_logger
 
@@ -241,8 +242,10 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
                                       _phase(deadline, cfg, 0.87)))
+    window = _phase(deadline, cfg, 0.90)
+    info["runners_up"] = search_runners_up(candidates, tab, window)
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
-    info["touched_up"] = touch_up(layout, tab, _phase(deadline, cfg, 0.90))
+    info["touched_up"] = touch_up(layout, tab, window)
     best_ms = tab.step_ms(layout)
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()
