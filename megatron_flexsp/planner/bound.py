@@ -197,8 +197,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     built only once its floor (the simple bound or ``count_floor``) is the lowest bound left. A
     count whose search has converged, or has taken ``switch_after`` solves, is searched again with
     one more explicit micro-batch (up to ``max_explicit``; two more where that leaves one pooled),
-    within the slowest makespans still open and above the bound already proven. Plans with even more micro-batches are bounded by
-    ``m f_min + GPU-time / N``, which grows with m. ``target_ms`` (the best plan) caps the result.
+    within the slowest makespans still open and above the bound already proven. Plans with even
+    more micro-batches are bounded by ``m f_min + GPU-time / N``, which grows with m. ``target_ms`` (the best plan) caps the result.
     Past ``deadline`` the counts not reached keep their floors, so the result stays valid.
     ``count_floor``: bounds already proven for plans of a given count (e.g. the slot bound's,
     :mod:`planner.slot_bound`), ``beyond_floor``: one for every count past those searched; each
