@@ -196,9 +196,10 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     refined, box by box, until ``max_solves`` LP solves or ``deadline``; a count's search is
     built only once its floor (the simple bound or ``count_floor``) is the lowest bound left. A
     count whose search has converged, or has taken ``switch_after`` solves, is searched again with
-    one more explicit micro-batch (up to ``max_explicit``; two more where that leaves one pooled),
-    within the slowest makespans still open and above the bound already proven. Plans with even
-    more micro-batches are bounded by ``m f_min + GPU-time / N``, which grows with m. ``target_ms`` (the best plan) caps the result.
+    one more explicit micro-batch (up to ``max_explicit``; two more where at most one would stay
+    pooled), within the slowest makespans still open and above the bound already proven. Plans
+    with even more micro-batches are bounded by ``m f_min + GPU-time / N``, which grows with m.
+    ``target_ms`` (the best plan) caps the result.
     Past ``deadline`` the counts not reached keep their floors, so the result stays valid.
     ``count_floor``: bounds already proven for plans of a given count (e.g. the slot bound's,
     :mod:`planner.slot_bound`), ``beyond_floor``: one for every count past those searched; each
@@ -265,7 +266,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                 else:
                     lo, hi = cur.t1_range()
                     spent += cur.solves
-                    # where that would leave one micro-batch pooled, all others explicit at once
+                    # two more at once where at most one micro-batch would stay pooled
                     k = cur.k + 2 if cur.k + 3 >= m else cur.k + 1
                     found[m] = search(m, t1_lo=max(crit, lo), t1_hi=hi, explicit=min(k, max_explicit, m),
                                       floor=cur.bound)

@@ -278,10 +278,11 @@ def search_runners_up(candidates: list[tuple[float, str, Layout]], tab: Tables, 
     its re-packing. Returns how many candidates were searched."""
     span = max(deadline.left(), 0.0)
     ranked = sorted(range(len(candidates)), key=lambda j: candidates[j][0])
+    limit = candidates[ranked[0]][0] * (1 + within) if candidates else 0.0
     searched = 0
     for j in ranked[1:1 + runners]:
         ms, name, layout = candidates[j]
-        if ms > candidates[ranked[0]][0] * (1 + within) or deadline.expired():
+        if ms > limit or deadline.expired():
             break
         improve_layout(layout, tab, deadline=deadline.capped(time.perf_counter() + span / 4))
         candidates[j] = (tab.step_ms(layout), name, layout)
