@@ -376,9 +376,10 @@ def test_a_count_search_never_gives_back_a_bound_it_proved():
 
 def test_few_micro_batches_go_to_all_but_one_explicit_at_once(monkeypatch):
     """A count whose search with one explicit micro-batch is done is searched again with more: up
-    to four micro-batches straight with every one but the last explicit (the search with two took
-    hundreds of LP solves on bimodal steps where three rose twice as fast), from five on one more at
-    a time. Every search's bound stays below the brute-force optimum."""
+    to four micro-batches straight to three explicit, all of three and all but the last of four
+    (the search with two took hundreds of LP solves on bimodal steps where three rose twice as
+    fast), from five on one more at a time. Every search's bound stays below the brute-force
+    optimum."""
     from megatron_flexsp.planner import bound as bound_mod
 
     built: list[tuple[int, int]] = []
