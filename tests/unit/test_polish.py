@@ -310,3 +310,43 @@ def test_runners_up_are_searched_before_the_plan_to_touch_up_is_chosen():
     assert [[sorted(g.seqs) for g in mb] for mb in far] == far_before and cands[2][0] == 1.03 * raw_ms
     assert sorted(i for mb in raw for g in mb for i in g.seqs) == list(range(len(tab.lens)))
     validate_plan(to_step_plan(raw, tab, strategy="flexsp", method="searched"))
+
+
+def test_polishing_settles_every_family_while_its_share_lasts():
+    """The local search moves some families' layouts far (a common-level layout here), so after
+    the two best layouts the best of each other family is settled too while the time lasts; a
+    family's second layout is not, and with no time left the third family comes back as it was."""
+    import copy
+
+    from megatron_flexsp.planner.layout import improve_layout
+    from megatron_flexsp.planner.polish import polish
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("github", 1024, cm), cm)
+    packer = LevelPacker(tab)
+    raw = common_level(packer, np.arange(len(tab.lens)), float(packer.critical.max()), 200)
+    raw_ms = tab.step_ms(raw)
+    searched = copy.deepcopy(raw)
+    improve_layout(searched, tab)
+    assert tab.step_ms(searched) < 0.99 * raw_ms
+
+    fast = tab.step_ms(searched)
+
+    def found():  # the two best, a second layout of the first family, the common-level one
+        return [(fast, "a", copy.deepcopy(searched)), (fast, "b", copy.deepcopy(searched)),
+                (raw_ms, "a", copy.deepcopy(raw)), (raw_ms, "level", copy.deepcopy(raw))]
+
+    info: dict = {}
+    out = polish(found(), packer, Deadline(), info)
+    assert sorted(info["repacked"]) == ["a", "b", "level"]
+    assert [name for _, name, _ in out] == ["a", "b", "level"]
+    assert out[2][0] < 0.99 * raw_ms  # the common-level layout, settled
+    for ms, _, layout in out:
+        assert ms == tab.step_ms(layout)
+        assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(tab.lens)))
+        validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="polished"))
+
+    info = {}
+    out = polish(found(), packer, Deadline(0.0), info)
+    assert sorted(info["repacked"]) == ["a", "b"]
+    assert out[-1][1] == "level" and out[-1][0] == raw_ms
