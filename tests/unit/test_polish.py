@@ -315,7 +315,7 @@ def test_runners_up_are_searched_before_the_plan_to_touch_up_is_chosen():
 def test_polishing_settles_every_family_while_its_share_lasts():
     """The local search moves some families' layouts far (a common-level layout here), so after
     the two best layouts the best of each other family is settled too while the time lasts; a
-    family's second layout is not, and with no time left the third family comes back as it was."""
+    family's second layout is not, and with no time left the third layout comes back as it was."""
     import copy
 
     from megatron_flexsp.planner.layout import improve_layout
@@ -349,4 +349,4 @@ def test_polishing_settles_every_family_while_its_share_lasts():
     info = {}
     out = polish(found(), packer, Deadline(0.0), info)
     assert sorted(info["repacked"]) == ["a", "b"]
-    assert out[-1][1] == "level" and out[-1][0] == raw_ms
+    assert len(out) == 3 and out[-1][0] == raw_ms  # the third layout, as it was
