@@ -191,9 +191,14 @@ def test_paired_benchmark_pairs_each_batch_with_the_baseline_run(tmp_path):
     assert [(r["batch"], r["budget_s"]) for r in rows] == [(0, 0.2), (1, 0.2), (0, 0.4), (1, 0.4)]
     assert all(r["bound_ms"] <= r["step_ms"] and r["gap"] == r["step_ms"] / r["bound_ms"] - 1 for r in rows)
     assert "faster / slower" not in md
+    # the higher budget's plans against the lowest's, batch by batch: mean / worst
+    low = {r["batch"]: r["step_ms"] for r in rows if r["budget_s"] == 0.2}
+    worst = max(r["step_ms"] / low[r["batch"]] - 1 for r in rows if r["budget_s"] == 0.4)
+    line = next(x for x in md.splitlines() if x.startswith("| 0.4 |"))
+    assert "plans vs 0.2 s (mean / worst)" in md and line.split("|")[7].strip().endswith(f"{worst:+.3%}")
     _, md = run("lognormal-1k:256", "b", "--baseline", str(tmp_path / "a.json"))
     lines = [x for x in md.splitlines() if x.startswith("| 0.2 |") or x.startswith("| 0.4 |")]
-    assert len(lines) == 2 and all(x.count("|") == 10 and " / " in x for x in lines)
+    assert len(lines) == 2 and all(x.count("|") == 11 and " / " in x for x in lines)
     commit = json.loads((tmp_path / "a.json").read_text())["provenance"]["commit"]
     assert f"a.json (commit {commit})`" in md  # the baseline is named with the commit it ran
     _, md = run("lognormal-1k:512", "c", "--baseline", str(tmp_path / "a.json"))
