@@ -30,7 +30,6 @@ array operations), and the deadline is checked between tries.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
