@@ -165,7 +165,7 @@ def milp_phase(tab: Tables, cfg: PlannerConfig, candidates: list, packer: LevelP
                 improve_layout(layout, tab, deadline=deadline)
                 candidates.append((tab.step_ms(layout), name, layout))
     new_ms, name, layout = min(candidates, key=lambda c: c[0])
-    copy = [[tab.clone(g) for g in mb] for mb in layout]
+    copy = tab.clone_layout(layout)
     solved, improved = refine_micro_batches_of(copy, tab, packer, cfg, deadline)
     if improved:
         candidates.append((tab.step_ms(copy), name + "+mb-milp", copy))

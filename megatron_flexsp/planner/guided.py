@@ -107,7 +107,7 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
 
 def _copy(tab: Tables, layout: Layout) -> Layout:
     """``layout`` with groups of its own (the completions of one rounding share its head)."""
-    return [[tab.clone(g) for g in mb] for mb in layout]
+    return tab.clone_layout(layout)
 
 
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,

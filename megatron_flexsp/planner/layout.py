@@ -142,6 +142,10 @@ class Tables:
             self.add(c, i)
         return c
 
+    def clone_layout(self, layout: list[list[Group]]) -> list[list[Group]]:
+        """A copy of ``layout`` whose groups (:meth:`clone`) can change without touching it."""
+        return [[self.clone(g) for g in mb] for mb in layout]
+
     def mb_ms(self, groups: list[Group]) -> float:
         return max((self.finish(g) for g in groups), default=0.0)
 

@@ -346,7 +346,7 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     for ms, name, layout in _family_bests(found[2:], exclude={name for _, name, _ in found[:2]}):
         if ms > limit or end.expired():
             break
-        copy = [[tab.clone(g) for g in mb] for mb in layout]
+        copy = tab.clone_layout(layout)
         improve_layout(copy, tab, deadline=end)
         others.append((tab.step_ms(copy), name, layout, copy))
     others.sort(key=lambda c: c[0])

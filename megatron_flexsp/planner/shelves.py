@@ -135,7 +135,7 @@ class ShelfPlanner:
             done += tab.mb_ms(groups)
             if done + p.least_ms(left) >= give_up_ms:
                 return None
-        return [[tab.clone(g) for g in mb] for mb in shelves]
+        return tab.clone_layout(shelves)
 
     def _finish(self, shelves: list[list[Group]], left: np.ndarray, level: float) -> Layout | None:
         """``shelves`` completed by stuffing ``left`` at ``level`` (raised to its hardest sequence's
@@ -146,7 +146,7 @@ class ShelfPlanner:
             return None
         for _ in range(2 * FINISH_MAX):  # stuffing may need more than the memory minimum
             if not len(left):
-                return [[self.tab.clone(g) for g in mb] for mb in shelves]
+                return self.tab.clone_layout(shelves)
             groups, left = p.stuff(left, max(level, float(p.critical[left].max())))
             if not groups:
                 return None

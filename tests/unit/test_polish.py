@@ -314,9 +314,7 @@ def test_polishing_settles_every_family_while_its_share_lasts():
     from megatron_flexsp.planner.polish import polish
 
     tab, packer, raw, searched = _common_level_and_searched()
-    raw_ms = tab.step_ms(raw)
-
-    fast = tab.step_ms(searched)
+    raw_ms, fast = tab.step_ms(raw), tab.step_ms(searched)
 
     def found():  # the two best, a second layout of the first family, the common-level one
         return [(fast, "a", copy.deepcopy(searched)), (fast, "b", copy.deepcopy(searched)),
