@@ -47,6 +47,8 @@ SCRATCH_S = 0.3
 #: member is at least this share of the batch's longest sequence: long members differ in how many
 #: groups they need, short ones fill groups fluidly (and each row costs every re-solve)
 TAIL_SHARE = 1 / 8
+#: HiGHS ``simplex_strategy`` values
+DUAL_SIMPLEX, PRIMAL_SIMPLEX = 1, 4
 
 
 @dataclass(frozen=True)
@@ -149,11 +151,13 @@ class _StepLP:
                         shares[p][c] = finish_shares
                     area[p][0].append(c), area[p][1].append(d * t)
                     if excess > 0.0:  # at most (longest - lo) per token of the share placed there
+                        # q: the share of the excess placed there (tokens^2 as a column would span
+                        # 17 orders of magnitude with the quadratic coefficient: HiGHS 'Unknown')
                         q = mdl.col(0.0, math.inf)
                         mass.append(q)
-                        mdl.row(-math.inf, 0.0, [q, c], [1.0, -tokens * (longest - lo)])
-                        ti.append(q), tv.append(quad[d])
-                        area[p][0].append(q), area[p][1].append(d * quad[d])
+                        mdl.row(-math.inf, 0.0, [q, c], [1.0, -tokens * (longest - lo) / excess])
+                        ti.append(q), tv.append(quad[d] * excess)
+                        area[p][0].append(q), area[p][1].append(d * quad[d] * excess)
                     mem[p][0].append(c), mem[p][1].append(tokens)
                     own[p].append((c, t + tab.fixed[d]))
             if not own[0]:
@@ -161,7 +165,7 @@ class _StepLP:
                                  f"(largest holds {max(tab.cap.values())})")
             mdl.row(1.0, 1.0, [c for o in own for c, _ in o], [1.0] * sum(len(o) for o in own))
             if mass:
-                mdl.row(excess, excess, mass, [1.0] * len(mass))
+                mdl.row(1.0, 1.0, mass, [1.0] * len(mass))
             if single:  # its finish alone within its micro-batch's makespan (or within R)
                 for p, whole in zip(parts, self.T + [self.R]):
                     mdl.row(-math.inf, 0.0, [c for c, _ in own[p]] + [whole], [tt for _, tt in own[p]] + [-1.0])
@@ -266,10 +270,15 @@ class _StepLP:
         h.run()
         self.solves += 1
         status = h.getModelStatus()
-        for presolve in ("off", "on"):  # a hot start may end 'Unknown' after coefficient changes
+        # a hot start may end 'Unknown' after coefficient changes, or at a limit: then from
+        # scratch, then with presolve, then with the primal simplex (the dual simplex ended
+        # 'Unknown' on a box of a lognormal step at 1,024 GPUs that the primal simplex and the
+        # interior point method both prove infeasible)
+        for presolve, strategy in (("off", DUAL_SIMPLEX), ("on", DUAL_SIMPLEX), ("on", PRIMAL_SIMPLEX)):
             if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-                break  # or at a limit: then from scratch, then with presolve (which settles the
-            h.setOptionValue("presolve", presolve)  # rest seen)
+                break
+            h.setOptionValue("presolve", presolve)
+            h.setOptionValue("simplex_strategy", strategy)
             h.setOptionValue("simplex_iteration_limit", 2**31 - 1)
             h.setOptionValue("time_limit", h.getRunTime() + SCRATCH_S)
             h.clearSolver()
@@ -277,6 +286,7 @@ class _StepLP:
             self.solves += 1
             status = h.getModelStatus()
         h.setOptionValue("presolve", "off")
+        h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
         h.setOptionValue("simplex_iteration_limit", self._hot_limit)
         if status == highspy.HighsModelStatus.kOptimal:
             return float(h.getInfo().objective_function_value)
