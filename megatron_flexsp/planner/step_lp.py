@@ -39,8 +39,8 @@ from megatron_flexsp.planner.milp import _Model
 
 Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
 #: Seconds a hot-started solve may take (they take 2-25 ms; one in a thousand ran into numerical
-#: trouble for 0.7 s and ended 'Unknown') and a solve from scratch after it (30-50 ms); past the
-#: second the search stops with what it proved (:class:`SolverTrouble`)
+#: trouble for 0.7 s and ended 'Unknown') and each solve from scratch after it (30-50 ms); past
+#: the last the search stops with what it proved (:class:`SolverTrouble`)
 HOT_START_S = 0.08
 SCRATCH_S = 0.3
 #: A bucket gets a tangent row (:meth:`~planner.count_rows.CountRow.count`) where its longest
