@@ -94,20 +94,16 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
         if not len(rest):
             done.append(heads)  # nothing left: no other completion shares these groups
             break
-        done += [_copy(tab, heads) + tail for tail in groups_first_layouts(tab, rest, deadline)]
+        # each completion gets a copy of the head's groups (the completions share the head)
+        done += [tab.clone_layout(heads) + tail for tail in groups_first_layouts(tab, rest, deadline)]
     rest = np.flatnonzero(~taken)
     if shelves and len(rest):
         shelf = ShelfPlanner(packer)
         for score in SCORES:
             tail = shelf.layout(rest, bases, score, deadline, finish=False)
             if tail is not None:
-                done.append(_copy(tab, heads) + tail)
+                done.append(tab.clone_layout(heads) + tail)
     return min(done, key=tab.step_ms) if done else None
-
-
-def _copy(tab: Tables, layout: Layout) -> Layout:
-    """``layout`` with groups of its own (the completions of one rounding share its head)."""
-    return tab.clone_layout(layout)
 
 
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,
