@@ -7,6 +7,10 @@
   It also keeps the level-dependent memory coefficients of its columns.
 * :class:`Shares`: per part, how much of each bucket's tokens finishes within the level (a bucket
   may only place that share there).
+* :func:`pair_rows`: per (part, size), rows bounding the number of groups from below by Fekete and
+  Schepers' ``u^(eps)`` of each sequence's memory, which know that a sequence over half a group's
+  memory leaves room only for those shorter than what it leaves (their coefficients do not follow
+  the level).
 
 Each probe changes only the coefficients that moved since the last one.
 """
@@ -17,6 +21,10 @@ import math
 
 import highspy
 import numpy as np
+
+#: :func:`pair_rows`: ``eps`` from this share of a group's memory up to a half (below it a row
+#: differs little from the memory row), at most one row per ``PAIR_EPS_STEP`` of it
+PAIR_EPS_LOW, PAIR_EPS_STEP = 0.25, 0.01
 
 
 class CountRow:
@@ -126,3 +134,48 @@ def _groups_needed(work: np.ndarray, room: float, heavy: np.ndarray,
         w_star = float(work[fits].min())
     middle = ~heavy & (work > room - w_star + 1e-9 * room)
     return np.where(heavy, 1.0, np.where(middle, work / room, 0.0))
+
+
+def pair_dff(frac: np.ndarray, eps: float) -> np.ndarray:
+    """Fekete and Schepers' ``u^(eps)`` (``0 <= eps <= 1/2``) of memory shares ``frac`` (a
+    sequence's tokens over a group's capacity): 1 above ``1 - eps``, ``frac`` within
+    ``[eps, 1 - eps]``, 0 below ``eps``. Sequences sharing a group (shares summing to at most 1)
+    sum to at most 1: a group holding one above ``1 - eps`` holds only others below ``eps``."""
+    frac = np.asarray(frac, dtype=np.float64)
+    return np.where(frac > 1.0 - eps, 1.0, np.where(frac >= eps, frac, 0.0))
+
+
+def pair_rows(units: list[tuple[np.ndarray, bool]], lens: np.ndarray, cap: int) -> list[np.ndarray]:
+    """Coefficients of the given units' columns at one group size of ``cap`` tokens in rows
+    ``sum coef x <= groups``, one per ``eps``: a single's :func:`pair_dff`; a bucket's (its columns
+    place a share of its tokens, any of its members) ``tokens / cap`` where its shortest member is
+    at least ``eps`` of the memory (each member counts its share or 1), ``tokens / longest`` more
+    where that member is over ``1 - eps`` (each counts 1, and the share holds that many), else 0.
+    ``eps``: each single's share, just above one less each single's share (which then counts 1,
+    with the sequences it cannot share a group with at their shares) and each bucket's shortest
+    member's, within ``[PAIR_EPS_LOW, 1/2]``, at least ``PAIR_EPS_STEP`` apart. A row is kept only
+    with a coefficient of 1 and a fractional one: else the memory row or the one counting
+    sequences over half the memory one per group is as strong."""
+    singles = np.array([lens[m[0]] / cap for m, single in units if single], dtype=np.float64)
+    lows = np.array([lens[m].min() / cap for m, single in units if not single], dtype=np.float64)
+    candidates = np.concatenate([singles, 1.0 - singles + 1e-9, lows])
+    candidates = np.sort(candidates[(candidates >= PAIR_EPS_LOW) & (candidates <= 0.5)])
+    out: list[np.ndarray] = []
+    last = -math.inf
+    for eps in candidates.tolist():
+        if eps - last < PAIR_EPS_STEP:
+            continue
+        last = eps
+        coef = np.zeros(len(units))
+        for j, (members, single) in enumerate(units):
+            if single:
+                coef[j] = float(pair_dff(lens[members[0]] / cap, eps))
+                continue
+            tokens, lo = float(lens[members].sum()), float(lens[members].min())
+            if lo >= eps * cap:
+                coef[j] = tokens / cap
+            if lo > (1.0 - eps) * cap:
+                coef[j] = max(coef[j], tokens / float(lens[members].max()))
+        if (coef >= 1.0 - 1e-12).any() and ((coef > 0.0) & (coef < 1.0 - 1e-12)).any():
+            out.append(coef)
+    return out

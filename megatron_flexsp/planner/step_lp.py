@@ -9,8 +9,9 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   ``n_pd d C``, sequences holding more than half a group's memory one per group, sequences whose
   work is over half of ``b_p - f_d`` one per group (two would not finish within ``b_p``) and those
   that cannot share a group with one of them counted by their share of a group's time, the memory
-  such a slow sequence's group has no time left to fill counted as used, a whole group per placed
-  sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence may
+  such a slow sequence's group has no time left to fill counted as used, a sequence over half a
+  group's memory a group of its own beside those too long to share it (:func:`pair_rows`), a whole
+  group per placed sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence may
   use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only with
   the token share of its members that do), and an individual sequence's own time is within ``T_p``;
 * the pooled micro-batches: the same per-size rows at their level (within ``b_k`` and within ``R``'s
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from megatron_flexsp.planner.count_rows import CountRow, Shares
+from megatron_flexsp.planner.count_rows import CountRow, Shares, pair_rows
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _Model
 
@@ -113,6 +114,7 @@ class _StepLP:
                 self.rate[d] = float((lo_time[d] / los)[fits].min())
         longest_all = int(tab.lens.max())
         self.place: list[tuple[int, int, int, int]] = []  # (unit, part, size, column) placements
+        placed: list[dict[int, list[tuple[int, int]]]] = [{} for _ in parts]  # (unit, column) by size
         for u, (members, single) in enumerate(units):
             tokens = float(tab.lens[members].sum())
             longest = int(tab.lens[members].max())
@@ -136,6 +138,7 @@ class _StepLP:
                 for p in parts:
                     c = mdl.col(0.0, 1.0)
                     self.place.append((u, p, d, c))
+                    placed[p].setdefault(d, []).append((u, c))
                     ti, tv, mi, mv, hi, hv = per[p][d]
                     ti.append(c), tv.append(t), mi.append(c), mv.append(tokens)
                     if lo * 2 > tab.cap[d]:  # every member needs a group of its own here
@@ -188,6 +191,10 @@ class _StepLP:
                 mdl.row(-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])])
                 if sum(hv) > 1.0:
                     mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
+                cols = [c for _, c in placed[p][d]]
+                for coef in pair_rows([units[u] for u, _ in placed[p][d]], tab.lens, int(tab.cap[d])):
+                    nz = np.flatnonzero(coef)
+                    mdl.row(-math.inf, 0.0, [cols[j] for j in nz] + [cnt[d]], coef[nz].tolist() + [-1.0])
                 if d in slow[p]:
                     entries = slow[p][d]
                     zs = [(j, mdl.col(0.0, math.inf)) for j, e in enumerate(entries)

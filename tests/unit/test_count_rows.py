@@ -1,6 +1,7 @@
 """The LP bound's group-counting rows (:class:`~megatron_flexsp.planner.count_rows.CountRow`): a bucket of
 long sequences counts, for any share of its tokens, no more groups than the members making up that
-share need, and all of them when all are placed."""
+share need, and all of them when all are placed. The memory rows (:func:`pair_rows`): no set of
+sequences that fits one group counts more than one group."""
 
 import itertools
 import math
@@ -8,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from megatron_flexsp.planner.count_rows import CountRow
+from megatron_flexsp.planner.count_rows import CountRow, pair_rows
 
 
 class _Recorder:
@@ -72,3 +73,37 @@ def test_a_bucket_counts_no_more_groups_than_the_members_placed_need(seed):
     if len(members):  # and every one of them when all are placed
         x = lens[members].sum() / tokens[0]
         assert low * x + max(0.0, slope * x - rhs) >= need[members].sum() - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_no_group_counts_more_than_one_in_the_memory_pair_rows(seed):
+    """Every set of sequences that fits a group's memory, singles and any members of two buckets
+    (a bucket's column counting the share of its tokens those members make up), sums to at most 1
+    in every row: the rows only count groups that every plan needs."""
+    rng = np.random.default_rng(seed)
+    cap = 1000
+    singles = rng.integers(150, 900, size=6)
+    buckets = [np.sort(rng.integers(250, 420, size=3)), np.sort(rng.integers(610, 700, size=3))]
+    lens = np.concatenate([singles] + buckets).astype(np.int64)
+    units = [(np.array([i]), True) for i in range(6)] + [(np.arange(6, 9), False), (np.arange(9, 12), False)]
+    rows = pair_rows(units, lens, cap)
+    assert rows, "the instance has sequences over half the memory and ones they cannot pair with"
+    owner = [j for j, (members, _) in enumerate(units) for _ in members]
+    tokens = [float(lens[members].sum()) for members, _ in units]
+    for coef in rows:
+        assert ((coef >= 1.0 - 1e-12) | (coef < 1.0)).all()
+        for r in range(1, len(lens) + 1):
+            for subset in itertools.combinations(range(len(lens)), r):
+                if lens[list(subset)].sum() > cap:
+                    continue
+                total = sum(coef[owner[i]] * lens[i] / tokens[owner[i]] for i in subset)
+                assert total <= 1.0 + 1e-9, (coef, subset, total)
+
+
+def test_a_sequence_over_half_the_memory_counts_whole_beside_those_it_cannot_pair_with():
+    """Shares 0.6 and 0.45 of a group: no two 0.6 share a group, nor a 0.6 and a 0.45. Memory alone
+    counts 2.1 groups for two of each; some row counts 1 + 1 + 0.45 + 0.45 = 2.9 (three groups)."""
+    lens = np.array([600, 600, 450, 450], dtype=np.int64)
+    units = [(np.array([i]), True) for i in range(4)]
+    best = max(float(coef.sum()) for coef in pair_rows(units, lens, 1000))
+    assert best == pytest.approx(2.9)
