@@ -14,8 +14,9 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   group per placed sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence may
   use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only with
   the token share of its members that do), and an individual sequence's own time is within ``T_p``;
-* the pooled micro-batches: the same per-size rows at their level (within ``b_k`` and within ``R``'s
-  cap less the other pooled micro-batches' fixed costs), GPU-time within ``N (R - (m-k) f_min)``,
+* the pooled micro-batches: the same per-size rows but the pair rows at their level (within
+  ``b_k`` and within ``R``'s cap less the other pooled micro-batches' fixed costs), GPU-time
+  within ``N (R - (m-k) f_min)``,
   tokens within ``(m-k) N C``, and each individual sequence's own time within ``R``.
 
 Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
@@ -191,8 +192,10 @@ class _StepLP:
                 mdl.row(-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])])
                 if sum(hv) > 1.0:
                     mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
+                # explicit parts only: in the pooled one the rows raised no converged bound (six steps)
                 cols = [c for _, c in placed[p][d]]
-                for coef in pair_rows([units[u] for u, _ in placed[p][d]], tab.lens, int(tab.cap[d])):
+                for coef in pair_rows([units[u] for u, _ in placed[p][d]], tab.lens,
+                                      int(tab.cap[d])) if p < k else []:
                     nz = np.flatnonzero(coef)
                     mdl.row(-math.inf, 0.0, [cols[j] for j in nz] + [cnt[d]], coef[nz].tolist() + [-1.0])
                 if d in slow[p]:
