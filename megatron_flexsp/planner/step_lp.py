@@ -11,13 +11,14 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   that cannot share a group with one of them counted by their share of a group's time, the memory
   such a slow sequence's group has no time left to fill counted as used, a sequence over half a
   group's memory a group of its own beside those too long to share it (:func:`pair_rows`), a whole
-  group per placed sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups' GPU-time; a sequence may
-  use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only with
-  the token share of its members that do), and an individual sequence's own time is within ``T_p``;
+  group per placed sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups'
+  GPU-time; a sequence may use size ``d`` there only if it fits its memory and finishes within
+  ``b_p`` (a bucket only with the token share of its members that do), and an individual
+  sequence's own time is within ``T_p``;
 * the pooled micro-batches: the same per-size rows but the pair rows at their level (within
   ``b_k`` and within ``R``'s cap less the other pooled micro-batches' fixed costs), GPU-time
-  within ``N (R - (m-k) f_min)``,
-  tokens within ``(m-k) N C``, and each individual sequence's own time within ``R``.
+  within ``N (R - (m-k) f_min)``, tokens within ``(m-k) N C``, and each individual sequence's
+  own time within ``R``.
 
 Short sequences enter as length buckets priced at their shortest member's rate (cheaper than
 reality, so still a relaxation); a bucket whose shortest member's work is over half of
