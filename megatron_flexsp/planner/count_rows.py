@@ -156,9 +156,12 @@ def pair_rows(units: list[tuple[np.ndarray, bool]], lens: np.ndarray, cap: int) 
     member's, within ``[PAIR_EPS_LOW, 1/2]``, at least ``PAIR_EPS_STEP`` apart. A row is kept only
     with a coefficient of 1 and a fractional one: else the memory row or the one counting
     sequences over half the memory one per group is as strong."""
-    singles = np.array([lens[m[0]] / cap for m, single in units if single], dtype=np.float64)
-    lows = np.array([lens[m].min() / cap for m, single in units if not single], dtype=np.float64)
-    candidates = np.concatenate([singles, 1.0 - singles + 1e-9, lows])
+    single = np.array([is_single for _, is_single in units], dtype=bool)
+    lo = np.array([lens[m].min() for m, _ in units], dtype=np.float64)  # a single's own length
+    tokens = np.array([lens[m].sum() for m, _ in units], dtype=np.float64)
+    longest = np.array([lens[m].max() for m, _ in units], dtype=np.float64)
+    share = lo / cap
+    candidates = np.concatenate([share[single], 1.0 - share[single] + 1e-9, share[~single]])
     candidates = np.sort(candidates[(candidates >= PAIR_EPS_LOW) & (candidates <= 0.5)])
     out: list[np.ndarray] = []
     last = -math.inf
@@ -166,16 +169,9 @@ def pair_rows(units: list[tuple[np.ndarray, bool]], lens: np.ndarray, cap: int) 
         if eps - last < PAIR_EPS_STEP:
             continue
         last = eps
-        coef = np.zeros(len(units))
-        for j, (members, single) in enumerate(units):
-            if single:
-                coef[j] = float(pair_dff(lens[members[0]] / cap, eps))
-                continue
-            tokens, lo = float(lens[members].sum()), float(lens[members].min())
-            if lo >= eps * cap:
-                coef[j] = tokens / cap
-            if lo > (1.0 - eps) * cap:
-                coef[j] = max(coef[j], tokens / float(lens[members].max()))
+        bucket = np.where(lo >= eps * cap, tokens / cap, 0.0)
+        bucket = np.where(lo > (1.0 - eps) * cap, np.maximum(bucket, tokens / longest), bucket)
+        coef = np.where(single, pair_dff(share, eps), bucket)
         if (coef >= 1.0 - 1e-12).any() and ((coef > 0.0) & (coef < 1.0 - 1e-12)).any():
             out.append(coef)
     return out

@@ -181,6 +181,7 @@ class _StepLP:
         self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
         self.slow_rows: list[dict[int, CountRow]] = [{} for _ in parts]
         self.total_mem_rows: list[int] = []
+        pairs: dict[int, list[np.ndarray]] = {}  # pair rows' coefficients by size
         for p in parts:
             cnt = self.counts[p]
             for d in sizes:
@@ -193,12 +194,13 @@ class _StepLP:
                 mdl.row(-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])])
                 if sum(hv) > 1.0:
                     mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
-                # explicit parts only: in the pooled one the rows raised no converged bound (six steps)
-                cols = [c for _, c in placed[p][d]]
-                for coef in pair_rows([units[u] for u, _ in placed[p][d]], tab.lens,
-                                      int(tab.cap[d])) if p < k else []:
-                    nz = np.flatnonzero(coef)
-                    mdl.row(-math.inf, 0.0, [cols[j] for j in nz] + [cnt[d]], coef[nz].tolist() + [-1.0])
+                if p < k:  # explicit parts only: in the pooled one they raised no converged bound
+                    if d not in pairs:  # every part holds the same units at a size
+                        pairs[d] = pair_rows([units[u] for u, _ in placed[p][d]], tab.lens, int(tab.cap[d]))
+                    cols = [c for _, c in placed[p][d]]
+                    for coef in pairs[d]:
+                        nz = np.flatnonzero(coef)
+                        mdl.row(-math.inf, 0.0, [cols[j] for j in nz] + [cnt[d]], coef[nz].tolist() + [-1.0])
                 if d in slow[p]:
                     entries = slow[p][d]
                     zs = [(j, mdl.col(0.0, math.inf)) for j, e in enumerate(entries)

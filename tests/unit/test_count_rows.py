@@ -91,7 +91,6 @@ def test_no_group_counts_more_than_one_in_the_memory_pair_rows(seed):
     owner = [j for j, (members, _) in enumerate(units) for _ in members]
     tokens = [float(lens[members].sum()) for members, _ in units]
     for coef in rows:
-        assert ((coef >= 1.0 - 1e-12) | (coef < 1.0)).all()
         for r in range(1, len(lens) + 1):
             for subset in itertools.combinations(range(len(lens)), r):
                 if lens[list(subset)].sum() > cap:
