@@ -169,9 +169,15 @@ def pair_rows(units: list[tuple[np.ndarray, bool]], lens: np.ndarray, cap: int) 
         if eps - last < PAIR_EPS_STEP:
             continue
         last = eps
-        bucket = np.where(lo >= eps * cap, tokens / cap, 0.0)
-        bucket = np.where(lo > (1.0 - eps) * cap, np.maximum(bucket, tokens / longest), bucket)
+        # shares, not lengths against eps * cap: a bucket's own eps is its shortest member's
+        # share, and share * cap rounds above that length for one length in twenty
+        bucket = np.where(share >= eps, tokens / cap, 0.0)
+        bucket = np.where(share > 1.0 - eps, np.maximum(bucket, tokens / longest), bucket)
         coef = np.where(single, pair_dff(share, eps), bucket)
-        if (coef >= 1.0 - 1e-12).any() and ((coef > 0.0) & (coef < 1.0 - 1e-12)).any():
+        # a unit counting 1 per member beside one counting members by their share; a bucket's
+        # coefficient sums its members', so it is over 1 either way
+        whole = share > 1.0 - eps
+        partial = (share >= eps) & ~whole
+        if whole.any() and partial.any():
             out.append(coef)
     return out

@@ -106,3 +106,18 @@ def test_a_sequence_over_half_the_memory_counts_whole_beside_those_it_cannot_pai
     units = [(np.array([i]), True) for i in range(4)]
     best = max(float(coef.sum()) for coef in pair_rows(units, lens, 1000))
     assert best == pytest.approx(2.9)
+
+
+@pytest.mark.parametrize("cap", [1000, 201504])
+def test_a_bucket_beside_a_sequence_filling_the_memory_is_counted_in_some_pair_row(cap):
+    """A sequence over 97% of a group's memory leaves no room for any member of a bucket whose
+    shortest is a quarter of it, so one group cannot hold both: some row counts the sequence 1 and
+    the bucket's column (three members, 1.05 groups of memory in all) at least its memory share. A
+    bucket's coefficient sums its members' and is over 1 here; and at 201,504 tokens the shortest
+    member's share times the capacity rounds above its length (the bucket's own ``eps``)."""
+    shortest = 50461 if cap == 201504 else 251
+    lens = np.array([int(0.976 * cap), shortest, int(0.38 * cap), int(0.42 * cap)], dtype=np.int64)
+    units = [(np.array([0]), True), (np.arange(1, 4), False)]
+    share = lens[1:].sum() / cap
+    rows = pair_rows(units, lens, cap)
+    assert any(coef[0] == 1.0 and coef[1] >= share - 1e-12 for coef in rows), rows
