@@ -153,9 +153,12 @@ def pair_rows(units: list[tuple[np.ndarray, bool]], lens: np.ndarray, cap: int) 
     where that member is over ``1 - eps`` (each counts 1, and the share holds that many), else 0.
     ``eps``: each single's share, just above one less each single's share (which then counts 1,
     with the sequences it cannot share a group with at their shares) and each bucket's shortest
-    member's, within ``[PAIR_EPS_LOW, 1/2]``, at least ``PAIR_EPS_STEP`` apart. A row is kept only
-    with a coefficient of 1 and a fractional one: else the memory row or the one counting
-    sequences over half the memory one per group is as strong."""
+    member's, within ``[PAIR_EPS_LOW, 1/2]``, at least ``PAIR_EPS_STEP`` apart. Shares, not
+    lengths against ``eps * cap``, are compared (a bucket's own ``eps`` times ``cap`` rounds above
+    its shortest length for one length in twenty). A row is kept only where one unit counts 1 per
+    member and another counts its members by their shares (a bucket's coefficient sums its
+    members', so it may be over 1 either way): else the memory row or the one counting sequences
+    over half the memory one per group is as strong."""
     single = np.array([is_single for _, is_single in units], dtype=bool)
     lo = np.array([lens[m].min() for m, _ in units], dtype=np.float64)  # a single's own length
     tokens = np.array([lens[m].sum() for m, _ in units], dtype=np.float64)
@@ -169,15 +172,11 @@ def pair_rows(units: list[tuple[np.ndarray, bool]], lens: np.ndarray, cap: int) 
         if eps - last < PAIR_EPS_STEP:
             continue
         last = eps
-        # shares, not lengths against eps * cap: a bucket's own eps is its shortest member's
-        # share, and share * cap rounds above that length for one length in twenty
+        whole = share > 1.0 - eps  # every member counts 1
+        partial = (share >= eps) & ~whole  # members count their shares
+        if not (whole.any() and partial.any()):
+            continue
         bucket = np.where(share >= eps, tokens / cap, 0.0)
-        bucket = np.where(share > 1.0 - eps, np.maximum(bucket, tokens / longest), bucket)
-        coef = np.where(single, pair_dff(share, eps), bucket)
-        # a unit counting 1 per member beside one counting members by their share; a bucket's
-        # coefficient sums its members', so it is over 1 either way
-        whole = share > 1.0 - eps
-        partial = (share >= eps) & ~whole
-        if whole.any() and partial.any():
-            out.append(coef)
+        bucket = np.where(whole, np.maximum(bucket, tokens / longest), bucket)
+        out.append(np.where(single, pair_dff(share, eps), bucket))
     return out
