@@ -31,7 +31,7 @@ from megatron_flexsp.config import EXTERNAL_STRATEGIES, STRATEGIES, PlannerConfi
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
-from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
+from megatron_flexsp.planner.bound import SolverTrouble, critical_floor_ms, lp_step_bound
 from megatron_flexsp.planner.exact import milp_phase
 from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
@@ -158,21 +158,25 @@ def _plan_baseline(tab: Tables, strategy: str, max_seq_len: int) -> StepPlan:
 class SimpleBounds:
     """Bounds valid for any plan (ms): ``base``; and ``tail(m)`` for plans with more than m
     micro-batches. Every micro-batch costs at least the smallest fixed cost ``f_min`` plus its
-    GPU-time over N (``area`` in total); every sequence at least its fastest feasible time."""
+    GPU-time over N (``area`` in total); the one holding the slowest sequence at least that
+    sequence's fastest finish, the others together at least ``critical`` less that
+    (:func:`~planner.bound.critical_floor_ms`) plus their fixed costs."""
 
     base: float
     f_min: float
     area: float
+    critical: float = 0.0
 
     def tail(self, m: int) -> float:
-        return (m + 1) * self.f_min + self.area
+        return max((m + 1) * self.f_min + self.area, self.critical + m * self.f_min)
 
 
 def simple_bounds(tab: Tables) -> SimpleBounds:
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / tab.cm.cluster.num_gpus
-    fastest = float(tab.critical_ms().max())
-    return SimpleBounds(max(H.min_micro_batches(tab) * f_min + area, fastest), f_min, area)
+    m_min = H.min_micro_batches(tab)
+    critical = critical_floor_ms(tab)
+    return SimpleBounds(max(m_min * f_min + area, critical + (m_min - 1) * f_min), f_min, area, critical)
 
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:

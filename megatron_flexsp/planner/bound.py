@@ -24,7 +24,7 @@ from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP
 from megatron_flexsp.utils.logging import get_logger
 
-__all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
+__all__ = ["BoundResult", "SolverTrouble", "bound_units", "critical_floor_ms", "lp_step_bound", "step_bound"]
 
 log = get_logger(__name__)
 
@@ -211,12 +211,13 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / tab.cm.cluster.num_gpus
     crit = float(tab.critical_ms().max())
+    crit_floor = critical_floor_ms(tab)
     units = bound_units(tab)
 
     floors = count_floor or {}
 
     def simple(m: int) -> float:  # valid for plans with m or more micro-batches
-        return max(m * f_min + area, crit + (m - 1) * f_min)
+        return max(m * f_min + area, crit_floor + (m - 1) * f_min)
 
     def search(m: int, **kw) -> _CountSearch:
         return _CountSearch(tab, m, units, target_ms=target_ms, rel_tol=rel_tol, deadline=deadline, **kw)
@@ -300,6 +301,36 @@ def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> 
                            a_lin=cm.coeffs.a_lin_ms_per_token,
                            cuts=_heavy_cuts(tab))
     return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+def critical_floor_ms(tab: Tables) -> float:
+    """A floor (ms) on the micro-batch holding the slowest sequence (its fastest finish alone) plus
+    the GPU-time over N of every sequence outside it, without the other micro-batches' fixed costs.
+
+    That micro-batch holds at most N x C tokens, so the sequences outside it hold at least the
+    batch's tokens less that; their GPU-time is at least the least GPU-time of that many tokens,
+    taken cheapest per token first (fractionally). Where many micro-batches cost little each (a
+    small fixed cost) this is what makes more of them slow: a 144,640-token document filling a
+    64-GPU micro-batch of 8-GPU groups for 6.07 s leaves 1.33M tokens, at least 1.58 s of
+    GPU-time over N, to the others, where the fixed costs alone gave 16 ms each.
+    """
+    crit = tab.critical_ms()
+    slowest = int(np.argmax(crit))
+    n = tab.cm.cluster.num_gpus
+    need = float(tab.lens.sum()) - float(n) * tab.cm.capacity_tokens
+    if need <= 0.0:
+        return float(crit[slowest])
+    others = np.delete(np.arange(len(tab.lens)), slowest)
+    lens = tab.lens[others].astype(np.float64)
+    gpu_ms = tab.least_gpu_time_ms()[others]
+    order = np.argsort(gpu_ms / lens, kind="stable")
+    lens, gpu_ms = lens[order], gpu_ms[order]
+    before = np.concatenate(([0.0], np.cumsum(lens)))  # tokens of the cheaper sequences
+    whole = int(np.searchsorted(before[1:], need))  # sequences taken whole
+    outside = float(gpu_ms[:whole].sum())
+    if whole < len(lens):  # the next one's share of its GPU-time
+        outside += (need - before[whole]) / lens[whole] * gpu_ms[whole]
+    return float(crit[slowest]) + outside / n
 
 
 def _heavy_cuts(tab: Tables) -> tuple[int, ...]:

@@ -109,13 +109,17 @@ class Tables:
             self._critical = best
         return self._critical
 
-    def area_min_ms(self) -> float:
-        """Sum over sequences of the smallest GPU-time (size x time) any feasible group gives."""
+    def least_gpu_time_ms(self) -> np.ndarray:
+        """Per sequence, the smallest GPU-time (size x time, GPU-ms) any feasible group gives."""
         best = np.full(len(self.lens), np.inf)
         for d in self.sizes:
             ok = self.lens <= self.cap[d]
             best = np.where(ok, np.minimum(best, d * self.time[d]), best)
-        return float(best.sum())
+        return best
+
+    def area_min_ms(self) -> float:
+        """Sum over sequences of the smallest GPU-time (size x time) any feasible group gives."""
+        return float(self.least_gpu_time_ms().sum())
 
     def finish(self, g: Group) -> float:
         return self.fixed[g.size] + g.load_ms if g.seqs else 0.0

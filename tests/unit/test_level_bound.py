@@ -135,9 +135,8 @@ def test_a_non_optimal_lp_status_falls_back_to_the_simple_bound(monkeypatch, cap
         r = lp_step_bound(tab, target_ms=opt, max_solves=300, max_extra=2)
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / cm.cluster.num_gpus
-    crit = float(tab.critical_ms().max())
     m_min = B.min_micro_batches(tab)
-    simple = max(m_min * f_min + area, crit + (m_min - 1) * f_min)
+    simple = max(m_min * f_min + area, B.critical_floor_ms(tab) + (m_min - 1) * f_min)
     assert state["calls"] >= 1
     assert r.bound_ms == pytest.approx(min(simple, opt))
     assert r.bound_ms <= honest.bound_ms + 1e-9
@@ -166,6 +165,41 @@ def test_lp_bound_is_valid_beside_a_long_slow_sequence():
                      float(tab.critical_ms().max()))
         above += r.bound_ms > simple * (1 + 1e-3)
     assert above >= 5
+
+
+@pytest.mark.parametrize("lens", [(390, 95, 90, 85, 80, 70), (380, 100, 100, 60, 55, 50, 45)])
+def test_the_micro_batch_of_the_slowest_sequence_leaves_the_other_tokens_to_the_rest(lens):
+    """A sequence filling nearly a micro-batch's memory, small fixed costs: the sequences outside
+    its micro-batch hold at least the tokens it has no memory for, so the simple bound counts
+    their least GPU-time beside its fastest finish. That is above the older simple bound (fixed
+    costs beside the slowest finish) and never above the brute-force optimum, alone or as the
+    LP bound's bound for counts it does not search."""
+    from megatron_flexsp.planner import bound as B
+    from megatron_flexsp.planner.api import simple_bounds
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm = tiny_cost_model(overhead_ms=0.5)
+    tab = Tables(np.array(lens), cm)
+    opt = brute_force_step_ms(lens, cm)
+    f_min, n = min(tab.fixed.values()), cm.cluster.num_gpus
+    m_min = B.min_micro_batches(tab)
+    older = max(m_min * f_min + tab.area_min_ms() / n, float(tab.critical_ms().max()) + (m_min - 1) * f_min)
+    # written out: the slowest sequence's micro-batch holds at most N C tokens; the rest, cheapest
+    # GPU-time per token first, up to the tokens left over
+    crit = tab.critical_ms()
+    slowest = int(np.argmax(crit))
+    need = float(sum(lens)) - n * cm.capacity_tokens
+    per = sorted((min(d * float(tab.time[d][i]) for d in tab.sizes if lens[i] <= tab.cap[d]) / lens[i], lens[i])
+                 for i in range(len(lens)) if i != slowest)
+    outside = 0.0
+    for rate, tokens in per:
+        take = min(tokens, need)
+        outside, need = outside + rate * take, need - take
+    assert B.critical_floor_ms(tab) == pytest.approx(float(crit[slowest]) + outside / n)
+    base = simple_bounds(tab).base
+    assert older * (1 + 1e-3) < base <= opt * (1 + 1e-9)
+    for extra in (0, 1, 2):
+        assert lp_step_bound(tab, target_ms=2 * opt, max_solves=300, max_extra=extra).bound_ms <= opt * (1 + 1e-6)
 
 
 def test_memory_a_slow_sequence_leaves_idle_is_not_counted():
