@@ -31,7 +31,8 @@ from megatron_flexsp.config import EXTERNAL_STRATEGIES, STRATEGIES, PlannerConfi
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
-from megatron_flexsp.planner.bound import SolverTrouble, critical_floor_ms, lp_step_bound
+from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
+from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.exact import milp_phase
 from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
@@ -157,26 +158,24 @@ def _plan_baseline(tab: Tables, strategy: str, max_seq_len: int) -> StepPlan:
 @dataclasses.dataclass(frozen=True)
 class SimpleBounds:
     """Bounds valid for any plan (ms): ``base``; and ``tail(m)`` for plans with more than m
-    micro-batches. Every micro-batch costs at least the smallest fixed cost ``f_min`` plus its
-    GPU-time over N (``area`` in total); the one holding the slowest sequence at least that
-    sequence's fastest finish, the others together at least ``critical`` less that
-    (:func:`~planner.bound.critical_floor_ms`) plus their fixed costs."""
+    micro-batches (:mod:`~planner.floors`: fixed costs, GPU-time over N, the slowest
+    micro-batches' slowest sequences). ``f_min``: the smallest fixed cost; ``area``: the least
+    GPU-time over N."""
 
     base: float
     f_min: float
     area: float
-    critical: float = 0.0
+    floors: StepFloors | None = None
 
     def tail(self, m: int) -> float:
-        return max((m + 1) * self.f_min + self.area, self.critical + m * self.f_min)
+        if self.floors is None:
+            return (m + 1) * self.f_min + self.area
+        return self.floors.at_least(m + 1)
 
 
 def simple_bounds(tab: Tables) -> SimpleBounds:
-    f_min = min(tab.fixed.values())
-    area = tab.area_min_ms() / tab.cm.cluster.num_gpus
-    m_min = H.min_micro_batches(tab)
-    critical = critical_floor_ms(tab)
-    return SimpleBounds(max(m_min * f_min + area, critical + (m_min - 1) * f_min), f_min, area, critical)
+    floors = step_floors(tab)
+    return SimpleBounds(floors.at_least(H.min_micro_batches(tab)), floors.f_min, floors.area, floors)
 
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:

@@ -21,10 +21,11 @@ import numpy as np
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.floors import step_floors
 from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP
 from megatron_flexsp.utils.logging import get_logger
 
-__all__ = ["BoundResult", "SolverTrouble", "bound_units", "critical_floor_ms", "lp_step_bound", "step_bound"]
+__all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
 
 log = get_logger(__name__)
 
@@ -69,8 +70,9 @@ class _CountSearch:
     ``[t1_lo, t1_hi]``. ``bound`` is valid at any time; ``floor`` is a bound already proven."""
 
     def __init__(self, tab: Tables, m: int, units, *, target_ms: float, t1_lo: float, t1_hi: float,
-                 rel_tol: float, explicit: int, floor: float = 0.0, deadline=None) -> None:
-        self.lp = _StepLP(tab, m, units, k=explicit)
+                 rel_tol: float, explicit: int, floor: float = 0.0, deadline=None,
+                 open_ended: bool = False) -> None:
+        self.lp = _StepLP(tab, m, units, k=explicit, open_ended=open_ended)
         self.m, self.k, self.target, self.rel_tol, self.floor = m, self.lp.k, target_ms, rel_tol, floor
         f = self.lp.f_min
         # the p-th slowest micro-batch of a plan faster than the target: p T_p + (m - p) f_min <= target
@@ -192,13 +194,14 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
-    ``max_extra`` more, with the slowest micro-batch explicit; the count whose bound is lowest is
-    refined, box by box, until ``max_solves`` LP solves or ``deadline``; a count's search is
-    built only once its floor (the simple bound or ``count_floor``) is the lowest bound left. A
+    ``max_extra`` more, and one for every count past those at once (its pooled part without a
+    limit on GPUs, memory or makespans: :class:`~planner.step_lp._StepLP`'s ``open_ended``),
+    with the slowest micro-batch explicit; the count whose bound is lowest is refined, box by
+    box, until ``max_solves`` LP solves or ``deadline``; a count's search is built only once its
+    floor (:func:`~planner.floors.step_floors` or ``count_floor``) is the lowest bound left. A
     count whose search has converged, or has taken ``switch_after`` solves, is searched again with
     one more explicit micro-batch (up to ``max_explicit``; two more where at most one would stay
-    pooled), within the slowest makespans still open and above the bound already proven. Plans
-    with even more micro-batches are bounded by ``m f_min + GPU-time / N``, which grows with m.
+    pooled), within the slowest makespans still open and above the bound already proven.
     ``target_ms`` (the best plan) caps the result.
     Past ``deadline`` the counts not reached keep their floors, so the result stays valid.
     ``count_floor``: bounds already proven for plans of a given count (e.g. the slot bound's,
@@ -211,27 +214,26 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / tab.cm.cluster.num_gpus
     crit = float(tab.critical_ms().max())
-    crit_floor = critical_floor_ms(tab)
+    simple = step_floors(tab).at_least  # valid for plans with m or more micro-batches
     units = bound_units(tab)
 
     floors = count_floor or {}
-
-    def simple(m: int) -> float:  # valid for plans with m or more micro-batches
-        return max(m * f_min + area, crit_floor + (m - 1) * f_min)
 
     def search(m: int, **kw) -> _CountSearch:
         return _CountSearch(tab, m, units, target_ms=target_ms, rel_tol=rel_tol, deadline=deadline, **kw)
 
     found: dict[int, _CountSearch] = {}
     # counts not searched yet, at a bound already proven for them; a count's LP is built only once
-    # it is the lowest (each costs a build and a solve from scratch: most of a short budget)
+    # it is the lowest (each costs a build and a solve from scratch: most of a short budget); the
+    # last, ``last``, stands for every count from it on (an open-ended search)
     waiting: dict[int, float] = {}
-    beyond = max(simple(m_min + max_extra + 1), beyond_floor)
-    for m in range(m_min, m_min + max_extra + 1):
+    last = m_min + max_extra + 1
+    beyond = math.inf  # a bound for the counts from the first one left out on
+    for m in range(m_min, last + 1):
         if simple(m) >= target_ms:
             beyond = target_ms
             break
-        waiting[m] = max(simple(m), floors.get(m, 0.0))
+        waiting[m] = max(simple(m), floors.get(m, 0.0) if m < last else beyond_floor)
     spent = 0  # solves of searches replaced by ones with more explicit micro-batches
 
     def lowest() -> tuple[int, float]:
@@ -250,7 +252,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                 break
             if m in waiting:
                 try:
-                    found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=waiting[m])
+                    found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=waiting[m],
+                                      open_ended=m == last)
                 except SolverTrouble as exc:  # this count and all larger ones keep their floors
                     log.warning("%s; using the simple bound (or a floor proven for it) for %d or more "
                                 "micro-batches", exc, m)
@@ -261,7 +264,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                 continue
             cur = found[m]
             if cur.done() or cur.solves >= switch_after * cur.k:
-                if cur.k >= min(max_explicit, m):
+                if cur.k >= min(max_explicit, m - 1 if m == last else m):  # open-ended: one pooled
                     if cur.done():
                         break  # the lowest count cannot be raised further
                 else:
@@ -270,7 +273,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                     # two more at once where at most one micro-batch would stay pooled
                     k = cur.k + 2 if cur.k + 3 >= m else cur.k + 1
                     found[m] = search(m, t1_lo=max(crit, lo), t1_hi=hi, explicit=min(k, max_explicit, m),
-                                      floor=cur.bound)
+                                      floor=cur.bound, open_ended=m == last)
                     continue
             cur.step(deadline)
     except SolverTrouble as exc:  # what the searches proved stays valid
@@ -301,36 +304,6 @@ def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> 
                            a_lin=cm.coeffs.a_lin_ms_per_token,
                            cuts=_heavy_cuts(tab))
     return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
-
-
-def critical_floor_ms(tab: Tables) -> float:
-    """A floor (ms) on the micro-batch holding the slowest sequence (its fastest finish alone) plus
-    the GPU-time over N of every sequence outside it, without the other micro-batches' fixed costs.
-
-    That micro-batch holds at most N x C tokens, so the sequences outside it hold at least the
-    batch's tokens less that; their GPU-time is at least the least GPU-time of that many tokens,
-    taken cheapest per token first (fractionally). Where many micro-batches cost little each (a
-    small fixed cost) this is what makes more of them slow: a 144,640-token document filling a
-    64-GPU micro-batch of 8-GPU groups for 6.07 s leaves 1.33M tokens, at least 1.58 s of
-    GPU-time over N, to the others, where the fixed costs alone gave 16 ms each.
-    """
-    crit = tab.critical_ms()
-    slowest = int(np.argmax(crit))
-    n = tab.cm.cluster.num_gpus
-    need = float(tab.lens.sum()) - float(n) * tab.cm.capacity_tokens
-    if need <= 0.0:
-        return float(crit[slowest])
-    others = np.delete(np.arange(len(tab.lens)), slowest)
-    lens = tab.lens[others].astype(np.float64)
-    gpu_ms = tab.least_gpu_time_ms()[others]
-    order = np.argsort(gpu_ms / lens, kind="stable")
-    lens, gpu_ms = lens[order], gpu_ms[order]
-    before = np.concatenate(([0.0], np.cumsum(lens)))  # tokens of the cheaper sequences
-    whole = int(np.searchsorted(before[1:], need))  # sequences taken whole
-    outside = float(gpu_ms[:whole].sum())
-    if whole < len(lens):  # the next one's share of its GPU-time
-        outside += (need - before[whole]) / lens[whole] * gpu_ms[whole]
-    return float(crit[slowest]) + outside / n
 
 
 def _heavy_cuts(tab: Tables) -> tuple[int, ...]:

@@ -75,10 +75,14 @@ class _StepLP:
     """The relaxation for a fixed ``m`` with ``k`` explicit micro-batches (the slowest) and the
     other ``m - k`` pooled. ``solve`` returns the least ``T_1 + ... + T_k + R`` (inf when infeasible)."""
 
-    def __init__(self, tab: Tables, m: int, units: list[tuple[np.ndarray, bool]], k: int = 1) -> None:
+    def __init__(self, tab: Tables, m: int, units: list[tuple[np.ndarray, bool]], k: int = 1,
+                 open_ended: bool = False) -> None:
         cm = tab.cm
         self.tab, self.m, self.units = tab, m, units
-        self.k = k = max(1, min(k, m))
+        # open-ended: plans with m or more micro-batches (the pooled part's GPUs, memory and
+        # makespans unbounded; its fixed costs and level those of m, the fewest)
+        self.open_ended = open_ended and m > 1
+        self.k = k = max(1, min(k, m - 1 if self.open_ended else m))
         self.pooled = m - k
         n_gpus, sizes = cm.cluster.num_gpus, tab.sizes
         self.f_min = f = min(tab.fixed.values())
@@ -87,7 +91,10 @@ class _StepLP:
         self.R = mdl.col(self.pooled * f, math.inf, 1.0) if self.pooled else None
         copies = [1] * k + ([self.pooled] if self.pooled else [])
         parts = range(len(copies))
-        self.counts = [{d: mdl.col(0.0, float(c * (n_gpus // d))) for d in sizes} for c in copies]
+        room = [float(c) for c in copies]  # micro-batches' worth of GPUs and memory per part
+        if self.open_ended:
+            room[-1] = math.inf
+        self.counts = [{d: mdl.col(0.0, c * (n_gpus // d)) for d in sizes} for c in room]
         # per part and size: time idx/val, mem idx/val, heavy idx/val (a lower bound on the number
         # of sequences over half a group's memory that the column places); singles' (column, work)
         per = [{d: ([], [], [], [], [], []) for d in sizes} for _ in parts]
@@ -217,9 +224,9 @@ class _StepLP:
                         mdl.rows.append((-math.inf, math.inf, [z], [-1.0]))
                     self.slow_rows[p][d] = CountRow(row, *map(np.array, zip(*(e[:5] for e in entries))),
                                                  tails)
-            mdl.row(-math.inf, float(copies[p] * n_gpus), list(cnt.values()), [float(d) for d in sizes])
+            mdl.row(-math.inf, room[p] * n_gpus, list(cnt.values()), [float(d) for d in sizes])
             self.total_mem_rows.append(len(mdl.rows))
-            mdl.row(-math.inf, float(copies[p] * n_gpus * cm.capacity_tokens), *mem[p])
+            mdl.row(-math.inf, room[p] * n_gpus * cm.capacity_tokens, *mem[p])
             mdl.row(-math.inf, -float(n_gpus) * copies[p] * f, *area[p])
         for p in range(k - 1):  # sorted by makespan
             mdl.row(0.0, math.inf, [self.T[p], self.T[p + 1]], [1.0, -1.0])
@@ -250,7 +257,7 @@ class _StepLP:
         pooled micro-batches sum to ``R <= r_cap`` (inf when there is none)."""
         h, tab = self.h, self.tab
         r_lo = self.pooled * self.f_min
-        r_hi = min(self.pooled * box[-1][1], r_cap)
+        r_hi = r_cap if self.open_ended else min(self.pooled * box[-1][1], r_cap)
         if self.pooled and r_hi < r_lo:
             return math.inf
         for p, level in enumerate(self.levels(box, r_cap)):

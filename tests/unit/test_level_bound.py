@@ -10,6 +10,7 @@ from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.plan import validate_plan
 from megatron_flexsp.planner import plan_step
 from megatron_flexsp.planner.bound import lp_step_bound
+from megatron_flexsp.planner.floors import step_floors
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.sim import simulate
@@ -136,7 +137,8 @@ def test_a_non_optimal_lp_status_falls_back_to_the_simple_bound(monkeypatch, cap
     f_min = min(tab.fixed.values())
     area = tab.area_min_ms() / cm.cluster.num_gpus
     m_min = B.min_micro_batches(tab)
-    simple = max(m_min * f_min + area, B.critical_floor_ms(tab) + (m_min - 1) * f_min)
+    simple = step_floors(tab).at_least(m_min)
+    assert simple >= m_min * f_min + area
     assert state["calls"] >= 1
     assert r.bound_ms == pytest.approx(min(simple, opt))
     assert r.bound_ms <= honest.bound_ms + 1e-9
@@ -167,24 +169,23 @@ def test_lp_bound_is_valid_beside_a_long_slow_sequence():
     assert above >= 5
 
 
-@pytest.mark.parametrize("lens", [(390, 95, 90, 85, 80, 70), (380, 100, 100, 60, 55, 50, 45)])
-def test_the_micro_batch_of_the_slowest_sequence_leaves_the_other_tokens_to_the_rest(lens):
-    """A sequence filling nearly a micro-batch's memory, small fixed costs: the sequences outside
-    its micro-batch hold at least the tokens it has no memory for, so the simple bound counts
-    their least GPU-time beside its fastest finish. That is above the older simple bound (fixed
-    costs beside the slowest finish) and never above the brute-force optimum, alone or as the
-    LP bound's bound for counts it does not search."""
+@pytest.mark.parametrize("lens", [(390, 95, 90, 85, 80, 70), (380, 100, 100, 60, 55, 50, 45),
+                                  (390, 380, 60, 50, 40, 30)])
+def test_the_slowest_micro_batches_leave_the_other_tokens_to_the_rest(lens):
+    """Sequences filling nearly a micro-batch's memory, small fixed costs: the sequences outside
+    the slowest micro-batch hold at least the tokens it has no memory for, and a second sequence
+    that cannot share its memory heads a second one. The floors are above the older simple bound
+    (fixed costs beside the slowest finish) and never above the brute-force optimum at any count,
+    alone or as the LP bound's bound for the counts it leaves to its open-ended search."""
     from megatron_flexsp.planner import bound as B
-    from megatron_flexsp.planner.api import simple_bounds
     from tests.unit.test_planner import brute_force_step_ms
 
     cm = tiny_cost_model(overhead_ms=0.5)
     tab = Tables(np.array(lens), cm)
-    opt = brute_force_step_ms(lens, cm)
     f_min, n = min(tab.fixed.values()), cm.cluster.num_gpus
     m_min = B.min_micro_batches(tab)
-    older = max(m_min * f_min + tab.area_min_ms() / n, float(tab.critical_ms().max()) + (m_min - 1) * f_min)
-    # written out: the slowest sequence's micro-batch holds at most N C tokens; the rest, cheapest
+    floors = step_floors(tab)
+    # written out for the slowest micro-batch: it holds at most N C tokens; the rest, cheapest
     # GPU-time per token first, up to the tokens left over
     crit = tab.critical_ms()
     slowest = int(np.argmax(crit))
@@ -195,9 +196,15 @@ def test_the_micro_batch_of_the_slowest_sequence_leaves_the_other_tokens_to_the_
     for rate, tokens in per:
         take = min(tokens, need)
         outside, need = outside + rate * take, need - take
-    assert B.critical_floor_ms(tab) == pytest.approx(float(crit[slowest]) + outside / n)
-    base = simple_bounds(tab).base
-    assert older * (1 + 1e-3) < base <= opt * (1 + 1e-9)
+    assert floors.heads[0] == pytest.approx(float(crit[slowest]) + outside / n)
+    older = max(m_min * f_min + tab.area_min_ms() / n, float(crit.max()) + (m_min - 1) * f_min)
+    assert floors.at_least(m_min) > older * (1 + 1e-3)
+    if lens[1] > n * cm.capacity_tokens - lens[0] and lens[1] > 300:  # two long ones head two
+        assert floors.heads[1] + (m_min - 2) * f_min > floors.heads[0] + (m_min - 1) * f_min
+    exact = {m: brute_force_step_ms(lens, cm, count=m) for m in range(m_min, len(lens) + 1)}
+    for m in exact:
+        assert floors.at_least(m) <= min(v for c, v in exact.items() if c >= m) * (1 + 1e-9)
+    opt = min(exact.values())
     for extra in (0, 1, 2):
         assert lp_step_bound(tab, target_ms=2 * opt, max_solves=300, max_extra=extra).bound_ms <= opt * (1 + 1e-6)
 
