@@ -33,7 +33,7 @@ from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
 from megatron_flexsp.planner.floors import StepFloors, step_floors
-from megatron_flexsp.planner.exact import milp_phase
+from megatron_flexsp.planner.exact import STEP_MILP_MAX_MICRO_BATCHES, milp_phase
 from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, base_range, level_grid, search_step
@@ -228,6 +228,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     best_ms = min(c[0] for c in candidates)
     if cfg.bound_lp_solves > 0 and slot is not None:
         bound = max(bound, min(slot.bound_ms, best_ms))
+    lp = None
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
@@ -236,14 +237,17 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                            deadline=_phase(deadline, cfg, ends["bound"]),
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
-                           hints=GUIDED_HINTS)
+                           hints=GUIDED_HINTS, refine_above=_milp_covers(candidates, cfg))
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
             candidates += _guided(tab, packer, lp.hints, best_ms, _phase(deadline, cfg, ends["guided"]), info)
             best_ms = min(c[0] for c in candidates)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
-        bound = max(bound, milp_phase(tab, cfg, candidates, packer, bounds.tail, info,
+        tail = bounds.tail  # plans with more micro-batches than the MILP's (the LP's too where it ran)
+        if lp is not None:
+            tail = lambda m: max(bounds.tail(m), lp.more_than(m))  # noqa: E731
+        bound = max(bound, milp_phase(tab, cfg, candidates, packer, tail, info,
                                       _phase(deadline, cfg, 0.87)))
     window = _phase(deadline, cfg, 0.90)
     info["runners_up"] = search_runners_up(candidates, tab, window)
@@ -255,6 +259,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["time_budget_s"] = cfg.time_budget_s
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
+
+
+def _milp_covers(candidates: list, cfg: PlannerConfig) -> int:
+    """The micro-batch counts the step MILP will bound (up to the best plan's; 0 when it will not
+    run): the LP bound then refines the counts above them."""
+    best = min(candidates, key=lambda c: c[0])[2]
+    return len(best) if cfg.search == "milp" and len(best) <= STEP_MILP_MAX_MICRO_BATCHES else 0
 
 
 def _guided(tab: Tables, packer: LevelPacker, hints, upper_ms: float, deadline: Deadline,

@@ -36,7 +36,8 @@ class BoundResult:
     ``lp_solves``: linear programs solved; ``intervals``: open boxes at the end; ``t1_range``: the
     slowest micro-batch's makespans (ms) those boxes span (a plan faster than the target has its
     slowest micro-batch there); ``hints``: the relaxed placements of the lowest counts still open,
-    lowest first."""
+    lowest first; ``by_count``: (count, bound) for the counts bounded one by one, ``rest_ms`` a
+    bound for every other count (:meth:`more_than` combines them)."""
 
     m: int
     bound_ms: float
@@ -44,6 +45,12 @@ class BoundResult:
     intervals: int
     t1_range: tuple[float, float] = (0.0, math.inf)
     hints: tuple[Hint, ...] = ()
+    by_count: tuple[tuple[int, float], ...] = ()
+    rest_ms: float = -math.inf
+
+    def more_than(self, m: int) -> float:
+        """A valid lower bound (ms) on plans with more than ``m`` micro-batches."""
+        return min([v for c, v in self.by_count if c > m] + [self.rest_ms])
 
 
 def _children(box: Box, p: int) -> list[Box]:
@@ -190,7 +197,7 @@ def _late(deadline) -> bool:
 def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
                   rel_tol: float = 0.002, deadline=None, max_explicit: int = 3,
                   switch_after: int = 120, count_floor: dict[int, float] | None = None,
-                  beyond_floor: float = 0.0, hints: int = 0) -> BoundResult:
+                  beyond_floor: float = 0.0, hints: int = 0, refine_above: int = 0) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
@@ -208,7 +215,9 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     :mod:`planner.slot_bound`), ``beyond_floor``: one for every count past those searched; each
     raises what it covers.
     ``hints``: the relaxed placements of up to this many counts still open (one solve each, after
-    the deadline too), for :mod:`planner.guided`.
+    the deadline too), for :mod:`planner.guided`. ``refine_above``: a count up to which converged
+    searches are set aside while the counts above it are refined (for
+    :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
     """
     m_min = min_micro_batches(tab)
     f_min = min(tab.fixed.values())
@@ -236,13 +245,15 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         waiting[m] = max(simple(m), floors.get(m, 0.0) if m < last else beyond_floor)
     spent = 0  # solves of searches replaced by ones with more explicit micro-batches
 
+    settled: set[int] = set()  # counts up to ``refine_above`` whose search converged
+
     def lowest() -> tuple[int, float]:
-        values = {c: s.bound for c, s in found.items()} | waiting
+        values = {c: s.bound for c, s in found.items() if c not in settled} | waiting
         m = min(values, key=lambda c: (values[c], c))
         return m, values[m]
 
     try:
-        while (found or waiting) and not _late(deadline):
+        while (len(found) > len(settled) or waiting) and not _late(deadline):
             m, value = lowest()
             # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
             if value >= target_ms * (1 - rel_tol) or (value >= beyond and not hints):
@@ -265,6 +276,9 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
             cur = found[m]
             if cur.done() or cur.solves >= switch_after * cur.k:
                 if cur.k >= min(max_explicit, m - 1 if m == last else m):  # open-ended: one pooled
+                    if cur.done() and m <= refine_above:
+                        settled.add(m)
+                        continue
                     if cur.done():
                         break  # the lowest count cannot be raised further
                 else:
@@ -288,9 +302,11 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         if hint is not None:
             placed.append(hint)
     solves = sum(s.solves for s in found.values()) + spent
-    best = min([s.bound for s in found.values()] + list(waiting.values()) + [beyond, target_ms])
-    return BoundResult(m_min + max_extra, best, solves, sum(len(s.heap) for s in found.values()),
-                       hints=tuple(placed))
+    counts = {c: s.bound for c, s in found.items()} | waiting
+    rest = min(beyond, target_ms, counts.pop(last, math.inf))  # with the open-ended search's
+    return BoundResult(m_min + max_extra, min(list(counts.values()) + [rest]), solves,
+                       sum(len(s.heap) for s in found.values()), hints=tuple(placed),
+                       by_count=tuple(sorted(counts.items())), rest_ms=rest)
 
 
 def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:

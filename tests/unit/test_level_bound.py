@@ -209,6 +209,28 @@ def test_the_slowest_micro_batches_leave_the_other_tokens_to_the_rest(lens):
         assert lp_step_bound(tab, target_ms=2 * opt, max_solves=300, max_extra=extra).bound_ms <= opt * (1 + 1e-6)
 
 
+def test_the_step_milp_and_the_lp_bound_of_the_counts_above_it_prove_the_optimum(monkeypatch):
+    """The step MILP proves plans with up to the best plan's micro-batches; the LP bound's
+    searches of the counts above it (refined after the lower counts converge) cover the rest:
+    together they prove this one-micro-batch plan optimal, where the simple bound for two or
+    more micro-batches alone left a gap."""
+    from megatron_flexsp.planner import bound as B
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm = tiny_cost_model(overhead_ms=0.5)
+    lens = (71, 132, 56, 118)
+    tab = Tables(np.array(lens), cm)
+    exact = {m: brute_force_step_ms(lens, cm, count=m) for m in range(1, len(lens) + 1)}
+    r = lp_step_bound(tab, target_ms=2 * exact[1], max_solves=300, refine_above=1)
+    assert r.more_than(1) <= min(exact[m] for m in exact if m > 1) * (1 + 1e-6)
+    assert r.bound_ms <= exact[1] * (1 + 1e-6)
+    plan = plan_step(lens, cm, config=PlannerConfig(time_budget_s=1.0))
+    assert plan.predicted_step_ms == pytest.approx(exact[1])
+    assert plan.lower_bound_ms == pytest.approx(exact[1], rel=1e-6)
+    monkeypatch.setattr(B.BoundResult, "more_than", lambda self, m: -math.inf)
+    assert plan_step(lens, cm, config=PlannerConfig(time_budget_s=1.0)).lower_bound_ms < exact[1] * (1 - 1e-3)
+
+
 def test_memory_a_slow_sequence_leaves_idle_is_not_counted():
     """Pareto-1.1 documents on 1024 GPUs (8,192 per step) fit one micro-batch's memory, but only if
     the groups of 64 GPUs running the 160-196K-token documents were also filled with short ones,
