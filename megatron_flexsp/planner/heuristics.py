@@ -81,9 +81,10 @@ def _homogeneous_ms(tab: Tables, d: int, m: int, order: list[int]) -> float:
 def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3):
     """Best (step time) homogeneous layout over ``sizes`` and micro-batch counts; (layout, d) or None.
 
-    Per size, micro-batch counts from the memory minimum up, until ``extra_micro_batches`` counts in
-    a row do not improve; a (size, count) whose lower bound (fixed costs plus GPU-time over N, or the
-    longest sequence) cannot beat the best so far is skipped without packing."""
+    Per size, micro-batch counts from the memory minimum (or, when more, one group for each
+    sequence over half a group's memory) up, until ``extra_micro_batches`` counts in a row do not
+    improve (or 64 counts find no room); a (size, count) whose lower bound (fixed costs plus
+    GPU-time over N, or the longest sequence) cannot beat the best so far ends that size's counts."""
     best, best_ms, best_d = None, math.inf, 0
     m0 = min_micro_batches(tab)
     longest = int(tab.lens.max())
@@ -96,7 +97,9 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
         work = float(tab.time[d].sum()) * d / n_gpus
         alone = float(tab.time[d].max()) + tab.fixed[d]
         misses = 0
-        for m in range(m0, m0 + 64):
+        alone_groups = int(np.count_nonzero(2 * tab.lens > tab.cap[d]))  # one group each
+        start = max(m0, -(-alone_groups // (n_gpus // d)))
+        for m in range(start, len(tab.lens) + 1):
             if max(m * tab.fixed[d] + work, alone + (m - 1) * tab.fixed[d]) >= best_ms:
                 break
             ms = _homogeneous_ms(tab, d, m, by_length)
@@ -106,6 +109,8 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
                 misses += 1
                 if misses > extra_micro_batches:
                     break
+            elif m - start >= 64:  # LPT still finds no room: this size is left out
+                break
     if best_m:
         best = homogeneous(tab, best_d, best_m)
     return (best, best_d) if best is not None else None

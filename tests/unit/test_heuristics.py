@@ -44,3 +44,17 @@ def test_fallbacks_are_valid_and_memory_feasible():
         for mb in layout:
             assert sum(g.size for g in mb) <= 8
             assert all(g.tokens <= tab.cap[g.size] for g in mb)
+
+
+def test_homogeneous_plans_exist_for_sequences_each_needing_a_micro_batch():
+    """140 sequences each over half the cluster's memory: every homogeneous plan needs 140
+    micro-batches, twice the memory minimum (71). BatchAda and the homogeneous candidate find it."""
+    cm = tiny_cost_model()
+    lens = np.full(140, 201)
+    tab = Tables(lens, cm)
+    assert H.min_micro_batches(tab) == 71
+    found = H.best_homogeneous(tab, tab.sizes)
+    assert found is not None and found[1] == 4 and len(found[0]) == 140
+    plan = plan_step(lens, cm, strategy="batchada")
+    assert len(plan.micro_batches) == 140
+    assert sorted(i for mb in plan.micro_batches for g in mb.groups for i in g.seqs) == list(range(140))
