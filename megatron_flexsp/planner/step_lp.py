@@ -201,6 +201,13 @@ class _StepLP:
                 mdl.row(-math.inf, 0.0, mi + [cnt[d]], mv + [-float(tab.cap[d])])
                 if sum(hv) > 1.0:
                     mdl.row(-math.inf, 0.0, hi + [cnt[d]], hv + [-1.0])
+                # a group holds at most cap // shortest sequences (a bucket: at least tokens / longest
+                # placed per unit); binds where lengths are alike (documents packed to one length)
+                per_group = tab.cap[d] // int(los[[u for u, _ in placed[p][d]]].min())
+                if per_group < len(tab.lens):
+                    mdl.row(-math.inf, 0.0, [c for _, c in placed[p][d]] + [cnt[d]],
+                            [1.0 if units[u][1] else float(tab.lens[units[u][0]].sum()) / his[u]
+                             for u, _ in placed[p][d]] + [-float(per_group)])
                 if p < k:  # explicit parts only: in the pooled one they raised no converged bound
                     if d not in pairs:  # every part holds the same units at a size
                         pairs[d] = pair_rows([units[u] for u, _ in placed[p][d]], tab.lens, int(tab.cap[d]))

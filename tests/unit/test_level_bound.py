@@ -248,6 +248,28 @@ def test_memory_a_slow_sequence_leaves_idle_is_not_counted():
     assert step_bound(tab, 1, target_ms=1.05 * two, t1_lo=crit).bound_ms >= two
 
 
+def test_a_group_holds_no_more_equal_documents_than_fit_whole():
+    """186 documents of 4,096 tokens at 64 GPUs of 5,992 tokens each: memory alone allows two
+    micro-batches, but a group of d GPUs holds only ``5,992 d // 4,096`` of them (93 at 64, 46 at
+    32), so the only two-micro-batch plans run 93 documents on all 64 GPUs each. The bound for two
+    micro-batches is that plan's time (the token count alone gave 45% of it); on equal-length
+    tiny batches it stays below the brute-force optimum."""
+    from megatron_flexsp.planner.bound import step_bound
+    from tests.unit.test_packing import _paper_cluster
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm = _paper_cluster(64)
+    tab = Tables(np.full(186, 4096), cm)
+    two = 2 * cm.group_time_ms([4096] * 93, 64)
+    crit = float(tab.critical_ms().max())
+    assert step_bound(tab, 2, target_ms=10 * two, t1_lo=crit, max_solves=300).bound_ms == pytest.approx(two, rel=1e-6)
+    tiny = tiny_cost_model(overhead_ms=0.2)
+    for length, n in ((130, 5), (60, 7), (90, 6)):
+        lens = (length,) * n
+        opt = brute_force_step_ms(lens, tiny)
+        assert lp_step_bound(Tables(np.array(lens), tiny), target_ms=2 * opt, max_solves=300).bound_ms <= opt * (1 + 1e-6)
+
+
 @pytest.mark.parametrize("explicit", [1, 2, 3])
 def test_explicit_slowest_micro_batches_keep_every_plan(explicit):
     """Two or three sequences that each fill the cluster's memory run one per micro-batch, all as
