@@ -220,8 +220,6 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
     """
     m_min = min_micro_batches(tab)
-    f_min = min(tab.fixed.values())
-    area = tab.area_min_ms() / tab.cm.cluster.num_gpus
     crit = float(tab.critical_ms().max())
     simple = step_floors(tab).at_least  # valid for plans with m or more micro-batches
     units = bound_units(tab)
