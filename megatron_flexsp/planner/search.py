@@ -1,8 +1,8 @@
 """The fast step search: families of whole-step layouts, each in polynomial time.
 
-Five families of candidate layouts, in this order; all but the first are built from the
-one-micro-batch packing of :class:`~megatron_flexsp.planner.level.LevelPacker` (nothing branches
-per micro-batch):
+Six families of candidate layouts, in this order; all but the first and the fifth are built
+from the one-micro-batch packing of :class:`~megatron_flexsp.planner.level.LevelPacker` (nothing
+branches per micro-batch):
 
 * **groups first** (:mod:`planner.groups_first`): sequences packed into groups by memory, groups
   into micro-batches by time; strong when memory sets the micro-batch count.
@@ -18,15 +18,20 @@ per micro-batch):
   the rest first fits one micro-batch fewer than the memory minimum
   (:meth:`~megatron_flexsp.planner.level.LevelPacker.fill_level`), the rest split as below into
   ``m - 1``, or packed by memory as in the first family (where memory sets the count).
+* **best fit** (:mod:`planner.best_fit`, only where the batch fits one micro-batch's memory): one
+  micro-batch, longest sequences first into the group with the least time left at a common level,
+  new groups of one base size; strong with few sequences per GPU.
 * **balanced split** into ``m`` micro-batches: sequences heaviest first (least GPU-time over the sizes
   that hold them) to the lightest micro-batch with token room, then each micro-batch packed at its
   smallest level (bisection). This mixes long and short sequences in every micro-batch, so memory
   and time fill together when memory sets the micro-batch count.
 
-Each family gets a share of the time left (a quarter, a third, half, two thirds, half), and a
+Each family gets a share of the time left (a quarter, a third, half, two thirds, a quarter where it
+runs, half), and a
 layout being built is given up once the micro-batches made and a lower bound on the rest are
 :data:`PRUNE` above the best layout so far. Costs: a common level is O(n log n) per level, a shelf
-O(candidates x n log n), a split O(n log m) plus one bisection (about 15 packings) per micro-batch;
+O(candidates x n log n), a split O(n log m) plus one bisection (about 15 packings) per micro-batch,
+a best fit O(n x groups) per packing and one bisection per base size;
 levels are searched on fixed grids, so the total is polynomial in sequences, micro-batches and group
 sizes. Every loop checks the :class:`Deadline`.
 """
@@ -38,6 +43,7 @@ import time
 
 import numpy as np
 
+from megatron_flexsp.planner.best_fit import best_fit_micro_batch
 from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, longest_first, opening_sizes, pack_opening
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
@@ -387,7 +393,12 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
             if rest is not None:
                 keep([first] + rest, "stuffed+split")
                 break
-    # 4. balanced split over micro-batch counts (half the time left: the rest goes to polishing)
+    # 4. one micro-batch packed best fit, where memory allows one (a quarter of the time left)
+    if m_min == 1:
+        own = deadline.capped(time.perf_counter() + deadline.left() / 4)
+        mb = best_fit_micro_batch(tab, items, own, best)
+        keep([mb] if mb else None, "best-fit")
+    # 5. balanced split over micro-batch counts (half the time left: the rest goes to polishing)
     own = deadline.capped(time.perf_counter() + deadline.left() / 2)
     _, _, layout = best_split(packer, items, own, upper_ms=best)
     keep(layout, "split")

@@ -24,7 +24,7 @@ def test_level_plan_and_lp_bound_bracket_the_optimum(seed):
     plan = plan_step(lens, cm, config=PlannerConfig(bound_lp_solves=400))
     validate_plan(plan)
     families = ("level", "shelves", "split", "stuffed+split", "groups-first", "lp-rounded", "lp-guided", "dcp-greedy", "greedy", "milp",
-                "milp-refined")
+                "milp-refined", "best-fit")
     assert plan.method.split("+mb-milp")[0] in families or plan.method.startswith("homogeneous")
     assert plan.predicted_step_ms >= opt * (1 - 1e-9)
     assert plan.lower_bound_ms <= opt * (1 + 1e-6)

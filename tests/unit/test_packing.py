@@ -341,3 +341,40 @@ def test_drain_keeps_a_micro_batch_whose_moves_would_cost_more_than_it():
     before = tab.step_ms(layout)
     assert drain_micro_batches(layout, tab) == 0
     assert len(layout) == 2 and tab.step_ms(layout) == before
+
+
+def test_best_fit_packs_one_micro_batch_validly_and_fills_groups_the_level_families_spread():
+    """One micro-batch packed best fit: every sequence once, memory and GPUs respected, and no
+    group past the makespan. 64 documents of about 8K tokens on 256 H200 GPUs (GPT-7B): best fit
+    into groups of one node beats the level families' stuffing (least-loaded groups of each
+    sequence's cheapest size) and the common level by several percent."""
+    import math
+
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+    from megatron_flexsp.planner.best_fit import best_fit_micro_batch
+    from megatron_flexsp.planner.level import LevelPacker
+    from megatron_flexsp.planner.search import Deadline, common_level
+
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4)
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        lens = rng.integers(5, 150, size=int(rng.integers(2, 12)))
+        if lens.sum() > 8 * cm.capacity_tokens:
+            continue
+        tab = Tables(lens, cm)
+        mb = best_fit_micro_batch(tab, np.arange(len(lens)), Deadline(), math.inf)
+        assert mb is not None
+        validate_plan(to_step_plan([mb], tab, strategy="flexsp", method="best-fit"))
+        assert sorted(i for g in mb for i in g.seqs) == list(range(len(lens)))
+        assert sum(g.size for g in mb) <= 8 and all(g.tokens <= tab.cap[g.size] for g in mb)
+    h200 = CostModel.from_profile(load_profile("h200-estimate"), get_model("gpt-7b"), num_gpus=256,
+                                  max_seq_len=196608)
+    lens = np.maximum(np.random.default_rng(0).lognormal(np.log(8192) - 0.125, 0.5, 64), 1).astype(np.int64)
+    tab = Tables(lens, h200)
+    items = np.arange(len(lens))
+    mb = best_fit_micro_batch(tab, items, Deadline(), math.inf)
+    packer = LevelPacker(tab)
+    level = min(tab.step_ms(lay) for t in np.geomspace(tab.critical_ms().max(), 2000, 40)
+                if (lay := common_level(packer, items, float(t), 1)) is not None)
+    assert tab.mb_ms(mb) < 0.96 * level
