@@ -24,11 +24,10 @@ __all__ = ["best_fit_micro_batch"]
 def _pack(tab: Tables, order: np.ndarray, level: float, base_row: int, rows_near: list[list[int]],
           tmat: np.ndarray, fixed: np.ndarray, caps: np.ndarray, sizes: np.ndarray) -> list[Group] | None:
     """The groups of one micro-batch at ``level`` ms (None when the GPUs run out)."""
-    n_gpus = tab.cm.cluster.num_gpus
-    most = n_gpus  # groups of one GPU at most
-    row = np.zeros(most, dtype=np.int64)
-    load = np.zeros(most)
-    tokens = np.zeros(most, dtype=np.int64)
+    n_gpus = tab.cm.cluster.num_gpus  # at most this many groups
+    row = np.zeros(n_gpus, dtype=np.int64)  # per group: its size's row, load (ms), tokens
+    load = np.zeros(n_gpus)
+    tokens = np.zeros(n_gpus, dtype=np.int64)
     seqs: list[list[int]] = []
     k, free = 0, n_gpus
     for i in order.tolist():
