@@ -163,19 +163,23 @@ class SimpleBounds:
     GPU-time over N."""
 
     base: float
-    f_min: float
-    area: float
-    floors: StepFloors | None = None
+    floors: StepFloors
+
+    @property
+    def f_min(self) -> float:
+        return self.floors.f_min
+
+    @property
+    def area(self) -> float:
+        return self.floors.area
 
     def tail(self, m: int) -> float:
-        if self.floors is None:
-            return (m + 1) * self.f_min + self.area
         return self.floors.at_least(m + 1)
 
 
 def simple_bounds(tab: Tables) -> SimpleBounds:
     floors = step_floors(tab)
-    return SimpleBounds(floors.at_least(H.min_micro_batches(tab)), floors.f_min, floors.area, floors)
+    return SimpleBounds(floors.at_least(H.min_micro_batches(tab)), floors)
 
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
@@ -237,7 +241,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                            deadline=_phase(deadline, cfg, ends["bound"]),
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
-                           hints=GUIDED_HINTS, refine_above=_milp_covers(candidates, cfg))
+                           hints=GUIDED_HINTS, refine_above=_milp_covers(candidates, cfg),
+                           floors=bounds.floors)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:

@@ -94,8 +94,8 @@ def best_fit_micro_batch(tab: Tables, items: np.ndarray, deadline, upper_ms: flo
                 lo = mid
             else:
                 hi, found = tab.mb_ms(groups), groups
-        if found is not None and tab.mb_ms(found) < best_ms:
-            best, best_ms = found, tab.mb_ms(found)
+        if found is not None and hi < best_ms:  # hi: the makespan of ``found``
+            best, best_ms = found, hi
         if deadline.expired():
             break
     return best

@@ -21,7 +21,7 @@ import numpy as np
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.bucketing import make_buckets
-from megatron_flexsp.planner.floors import step_floors
+from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP
 from megatron_flexsp.utils.logging import get_logger
 
@@ -197,7 +197,8 @@ def _late(deadline) -> bool:
 def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
                   rel_tol: float = 0.002, deadline=None, max_explicit: int = 3,
                   switch_after: int = 120, count_floor: dict[int, float] | None = None,
-                  beyond_floor: float = 0.0, hints: int = 0, refine_above: int = 0) -> BoundResult:
+                  beyond_floor: float = 0.0, hints: int = 0, refine_above: int = 0,
+                  floors: StepFloors | None = None) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
@@ -218,10 +219,11 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     the deadline too), for :mod:`planner.guided`. ``refine_above``: a count up to which converged
     searches are set aside while the counts above it are refined (for
     :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
+    ``floors``: :func:`~planner.floors.step_floors` of ``tab`` when the caller has them.
     """
     m_min = min_micro_batches(tab)
     crit = float(tab.critical_ms().max())
-    simple = step_floors(tab).at_least  # valid for plans with m or more micro-batches
+    simple = (floors or step_floors(tab)).at_least  # valid for plans with m or more micro-batches
     units = bound_units(tab)
 
     floors = count_floor or {}
