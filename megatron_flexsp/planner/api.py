@@ -32,8 +32,8 @@ from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
-from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.exact import STEP_MILP_MAX_MICRO_BATCHES, milp_phase
+from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, base_range, level_grid, search_step
