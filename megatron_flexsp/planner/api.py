@@ -242,7 +242,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
                            hints=GUIDED_HINTS, refine_above=_milp_covers(candidates, cfg),
-                           floors=bounds.floors)
+                           floors=bounds.floors, hint_deadline=_phase(deadline, cfg, ends["guided"]))
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
@@ -257,7 +257,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     window = _phase(deadline, cfg, 0.90)
     info["runners_up"] = search_runners_up(candidates, tab, window)
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
-    info["touched_up"] = touch_up(layout, tab, window)
+    info["touched_up"] = touch_up(layout, tab, window, packer)
     best_ms = tab.step_ms(layout)
     info["candidates_ms"] = {name: ms for ms, name, _ in sorted(candidates, key=lambda c: -c[0])}
     info["time_s"] = deadline.elapsed()

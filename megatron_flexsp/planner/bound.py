@@ -22,7 +22,7 @@ from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.bucketing import make_buckets
 from megatron_flexsp.planner.floors import StepFloors, step_floors
-from megatron_flexsp.planner.step_lp import Box, Hint, SolverTrouble, _StepLP
+from megatron_flexsp.planner.step_lp import Box, Hint, SolverOutOfTime, SolverTrouble, _StepLP
 from megatron_flexsp.utils.logging import get_logger
 
 __all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
@@ -80,6 +80,7 @@ class _CountSearch:
                  rel_tol: float, explicit: int, floor: float = 0.0, deadline=None,
                  open_ended: bool = False) -> None:
         self.lp = _StepLP(tab, m, units, k=explicit, open_ended=open_ended)
+        self.lp.deadline = deadline
         self.m, self.k, self.target, self.rel_tol, self.floor = m, self.lp.k, target_ms, rel_tol, floor
         f = self.lp.f_min
         # the p-th slowest micro-batch of a plan faster than the target: p T_p + (m - p) f_min <= target
@@ -194,11 +195,16 @@ def _late(deadline) -> bool:
     return deadline is not None and deadline.expired()
 
 
+def _report(exc: SolverTrouble, msg: str, *args) -> None:
+    """A warning for HiGHS trouble; a note for a solve stopped at the deadline (the usual end)."""
+    (log.debug if isinstance(exc, SolverOutOfTime) else log.warning)(msg, exc, *args)
+
+
 def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: int = 2,
                   rel_tol: float = 0.002, deadline=None, max_explicit: int = 3,
                   switch_after: int = 120, count_floor: dict[int, float] | None = None,
                   beyond_floor: float = 0.0, hints: int = 0, refine_above: int = 0,
-                  floors: StepFloors | None = None) -> BoundResult:
+                  floors: StepFloors | None = None, hint_deadline=None) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
@@ -216,7 +222,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     :mod:`planner.slot_bound`), ``beyond_floor``: one for every count past those searched; each
     raises what it covers.
     ``hints``: the relaxed placements of up to this many counts still open (one solve each, after
-    the deadline too), for :mod:`planner.guided`. ``refine_above``: a count up to which converged
+    the deadline too, within ``hint_deadline`` where given), for :mod:`planner.guided`. ``refine_above``: a count up to which converged
     searches are set aside while the counts above it are refined (for
     :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
     ``floors``: :func:`~planner.floors.step_floors` of ``tab`` when the caller has them.
@@ -266,8 +272,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                     found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=waiting[m],
                                       open_ended=m == last)
                 except SolverTrouble as exc:  # this count and all larger ones keep their floors
-                    log.warning("%s; using the simple bound (or a floor proven for it) for %d or more "
-                                "micro-batches", exc, m)
+                    _report(exc, "%s; using the simple bound (or a floor proven for it) for %d or more "
+                            "micro-batches", m)
                     beyond = min(beyond, min(v for c, v in waiting.items() if c >= m))
                     waiting = {c: v for c, v in waiting.items() if c < m}
                     continue
@@ -291,13 +297,14 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                     continue
             cur.step(deadline)
     except SolverTrouble as exc:  # what the searches proved stays valid
-        log.warning("%s; keeping the bounds proven so far", exc)
+        _report(exc, "%s; keeping the bounds proven so far")
     placed = []
     for m in sorted((c for c in found if found[c].heap), key=lambda c: found[c].bound)[:hints]:
+        found[m].lp.deadline = hint_deadline
         try:
             hint = found[m].hint()
         except SolverTrouble as exc:
-            log.warning("%s; no placement hint for %d micro-batches", exc, m)
+            _report(exc, "%s; no placement hint for %d micro-batches", m)
             continue
         if hint is not None:
             placed.append(hint)

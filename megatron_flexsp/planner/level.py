@@ -256,14 +256,15 @@ class LevelPacker:
         return hi
 
     # ------------------------------------------------------------------ stuffing
-    def stuff(self, items: np.ndarray, level: float, seed: list[Group] | None = None
-              ) -> tuple[list[Group], np.ndarray]:
+    def stuff(self, items: np.ndarray, level: float, seed: list[Group] | None = None,
+              strict: bool = False) -> tuple[list[Group], np.ndarray]:
         """Fill one micro-batch at ``level`` with as much work as fits, hardest items first.
 
         Returns its groups and the items left out. Items are taken in decreasing order of their
         fastest finish; each goes to the least-loaded group of its cheapest feasible size that has
         room, else opens a group of that size while GPUs remain, else tries the next sizes.
-        ``seed``: groups the micro-batch starts with (they are filled further and returned first).
+        ``seed``: groups the micro-batch starts with (they are filled further and returned first);
+        ``strict``: stop at the first item left out (it and the items after it are returned left).
         """
         tab = self.tab
         lens, cap, lens_min = self.lens_l, tab.cap, tab.lens
@@ -319,6 +320,9 @@ class LevelPacker:
                     placed = True
                     break
             if not placed:
+                if strict:
+                    left += order[pos:]
+                    break
                 left.append(i)
                 refused += 1
             else:

@@ -71,6 +71,10 @@ class SolverTrouble(RuntimeError):
     """HiGHS ended an LP of the bound with a status that proves neither optimality nor infeasibility."""
 
 
+class SolverOutOfTime(SolverTrouble):
+    """An LP of the bound was stopped, or not started, at the caller's deadline."""
+
+
 class _StepLP:
     """The relaxation for a fixed ``m`` with ``k`` explicit micro-batches (the slowest) and the
     other ``m - k`` pooled. ``solve`` returns the least ``T_1 + ... + T_k + R`` (inf when infeasible)."""
@@ -245,6 +249,10 @@ class _StepLP:
         self._hot_limit = max(500, self.h.getNumRow())
         self.h.setOptionValue("simplex_iteration_limit", self._hot_limit)
         self.solves = 0
+        #: when set (``left()``, as :class:`~planner.search.Deadline`), no solve runs past it: a
+        #: hot start may take 0.08 s and each solve from scratch after it 0.3 s, which at 64 GPUs
+        #: and 1 s had ended a Pareto-tailed step's bound phase 0.14 s late
+        self.deadline = None
         self._level_set: list[float | None] = [None] * len(copies)
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
@@ -293,7 +301,7 @@ class _StepLP:
             h.changeColBounds(col, a, b)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
-        h.setOptionValue("time_limit", h.getRunTime() + HOT_START_S)  # HiGHS's clock is cumulative
+        h.setOptionValue("time_limit", h.getRunTime() + self._limit(HOT_START_S))  # HiGHS's clock is cumulative
         h.run()
         self.solves += 1
         status = h.getModelStatus()
@@ -301,20 +309,22 @@ class _StepLP:
         # scratch, then with presolve, then with the primal simplex (the dual simplex ended
         # 'Unknown' on a box of a lognormal step at 1,024 GPUs that the primal simplex and the
         # interior point method both prove infeasible)
-        for presolve, strategy in (("off", DUAL_SIMPLEX), ("on", DUAL_SIMPLEX), ("on", PRIMAL_SIMPLEX)):
-            if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-                break
-            h.setOptionValue("presolve", presolve)
-            h.setOptionValue("simplex_strategy", strategy)
-            h.setOptionValue("simplex_iteration_limit", 2**31 - 1)
-            h.setOptionValue("time_limit", h.getRunTime() + SCRATCH_S)
-            h.clearSolver()
-            h.run()
-            self.solves += 1
-            status = h.getModelStatus()
-        h.setOptionValue("presolve", "off")
-        h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
-        h.setOptionValue("simplex_iteration_limit", self._hot_limit)
+        try:
+            for presolve, strategy in (("off", DUAL_SIMPLEX), ("on", DUAL_SIMPLEX), ("on", PRIMAL_SIMPLEX)):
+                if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
+                    break
+                h.setOptionValue("presolve", presolve)
+                h.setOptionValue("simplex_strategy", strategy)
+                h.setOptionValue("simplex_iteration_limit", 2**31 - 1)
+                h.setOptionValue("time_limit", h.getRunTime() + self._limit(SCRATCH_S))
+                h.clearSolver()
+                h.run()
+                self.solves += 1
+                status = h.getModelStatus()
+        finally:
+            h.setOptionValue("presolve", "off")
+            h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
+            h.setOptionValue("simplex_iteration_limit", self._hot_limit)
         if status == highspy.HighsModelStatus.kOptimal:
             return float(h.getInfo().objective_function_value)
         if status == highspy.HighsModelStatus.kInfeasible:
@@ -324,6 +334,16 @@ class _StepLP:
         raise SolverTrouble(f"LP bound: HiGHS returned {h.modelStatusToString(status)!r} "
                             f"(m={self.m}, box={[(round(a, 1), round(b, 1)) for a, b in box]}, "
                             f"R cap={r_cap:.1f} ms)")
+
+    def _limit(self, seconds: float) -> float:
+        """``seconds``, or the time to :attr:`deadline` when that is less (raises
+        :class:`SolverOutOfTime` once it has passed)."""
+        if self.deadline is None:
+            return seconds
+        left = self.deadline.left()
+        if left <= 0.0:
+            raise SolverOutOfTime(f"LP bound: out of time (m={self.m})")
+        return min(seconds, left)
 
     def hint(self, box: Box, r_cap: float) -> Hint | None:
         """The relaxed placement at ``box`` (one more solve; None when infeasible)."""

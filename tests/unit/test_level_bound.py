@@ -550,3 +550,37 @@ def test_dual_simplex_trouble_is_settled_by_the_primal_simplex(monkeypatch, capl
     simple = lp_step_bound(tab, target_ms=opt, max_solves=0, max_extra=2).bound_ms
     assert "HiGHS returned" not in caplog.text
     assert simple < r.bound_ms <= opt * (1 + 1e-6)
+
+
+def test_lp_solves_stop_at_the_deadline_and_keep_what_was_proven(caplog):
+    """No LP solve starts past the bound's deadline (one from scratch may take 0.3 s): a step LP
+    whose deadline has passed raises without touching its options, and runs as before once the
+    deadline is lifted; a bound whose deadline passes mid-search keeps the bounds proven, with
+    no warning, and no placement hint is solved past its own deadline."""
+    from megatron_flexsp.planner.bound import bound_units
+    from megatron_flexsp.planner.search import Deadline
+    from megatron_flexsp.planner.step_lp import SolverOutOfTime, _StepLP
+
+    cm, lens, opt = many_micro_batch_instance(0)
+    tab = Tables(np.asarray(lens), cm)
+    lp = _StepLP(tab, 3, bound_units(tab), k=1)
+    box = ((float(tab.critical_ms().max()), opt),)
+    fresh = lp.solve(box, opt)
+    options = {k: lp.h.getOptionValue(k) for k in ("presolve", "simplex_strategy", "simplex_iteration_limit")}
+    lp.deadline = Deadline(0.0)
+    with pytest.raises(SolverOutOfTime):
+        lp.solve(box, opt)
+    assert {k: lp.h.getOptionValue(k) for k in options} == options
+    lp.deadline = None
+    assert lp.solve(box, opt) == pytest.approx(fresh, rel=1e-9)
+
+    full = lp_step_bound(tab, target_ms=opt, max_solves=2000, max_extra=2)
+    floor = lp_step_bound(tab, target_ms=opt, max_solves=0, max_extra=2).bound_ms
+    with caplog.at_level("WARNING"):
+        for seconds in (0.0, 0.002, 0.01):
+            r = lp_step_bound(tab, target_ms=opt, max_solves=2000, max_extra=2, deadline=Deadline(seconds),
+                              hints=2, hint_deadline=Deadline(0.0))
+            assert floor - 1e-9 <= r.bound_ms <= full.bound_ms + 1e-9
+            assert r.hints == ()
+    assert caplog.text == ""
+    assert lp_step_bound(tab, target_ms=opt, max_solves=2000, max_extra=2, hints=2).hints
