@@ -249,9 +249,7 @@ class _StepLP:
         self._hot_limit = max(500, self.h.getNumRow())
         self.h.setOptionValue("simplex_iteration_limit", self._hot_limit)
         self.solves = 0
-        #: when set (``left()``, as :class:`~planner.search.Deadline`), no solve runs past it: a
-        #: hot start may take 0.08 s and each solve from scratch after it 0.3 s, which at 64 GPUs
-        #: and 1 s had ended a Pareto-tailed step's bound phase 0.14 s late
+        #: a :class:`~planner.search.Deadline` no solve runs past (:meth:`_limit`)
         self.deadline = None
         self._level_set: list[float | None] = [None] * len(copies)
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
@@ -337,7 +335,8 @@ class _StepLP:
 
     def _limit(self, seconds: float) -> float:
         """``seconds``, or the time to :attr:`deadline` when that is less (raises
-        :class:`SolverOutOfTime` once it has passed)."""
+        :class:`SolverOutOfTime` once it has passed): a hot start may take 0.08 s and each solve
+        from scratch after it 0.3 s, which had ended a Pareto-tailed step's bound 0.14 s late."""
         if self.deadline is None:
             return seconds
         left = self.deadline.left()
