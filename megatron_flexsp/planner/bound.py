@@ -222,8 +222,9 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     :mod:`planner.slot_bound`), ``beyond_floor``: one for every count past those searched; each
     raises what it covers.
     ``hints``: the relaxed placements of up to this many counts still open (one solve each, after
-    the deadline too, within ``hint_deadline`` where given), for :mod:`planner.guided`. ``refine_above``: a count up to which converged
-    searches are set aside while the counts above it are refined (for
+    the deadline too, within ``hint_deadline`` where given), for :mod:`planner.guided`.
+    ``refine_above``: a count up to which converged searches are set aside while the counts above
+    it are refined (for
     :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
     ``floors``: :func:`~planner.floors.step_floors` of ``tab`` when the caller has them.
     """

@@ -245,8 +245,7 @@ def settle(layout: Layout, packer: LevelPacker, deadline) -> tuple[int, int]:
     (:meth:`LevelPacker.repack`), then the local search (:func:`improve_layout`), re-packed with
     their longest sequences opened first (:func:`~planner.reseed.reseed_micro_batches`; the local
     search again where that made one faster) and exchanges (:func:`balance_groups`), in place,
-    until ``deadline``. Returns (micro-batches re-packed,
-    exchanges made)."""
+    until ``deadline``. Returns (micro-batches re-packed, exchanges made)."""
     repacked = packer.repack(layout, deadline)
     improve_layout(layout, packer.tab, deadline=deadline)
     if reseed_micro_batches(layout, packer, deadline):
@@ -260,8 +259,9 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
     (:func:`balance_groups`), again and again while a round shortens the step, in place, until
     ``deadline``; once a round gains nothing, the micro-batches are re-packed with their longest
     sequences opened first (:func:`~planner.reseed.reseed_micro_batches`, given ``packer``), and
-    the rounds go on if that made one faster. Each unlocks the other: exchanges lower a memory-full micro-batch's makespan,
-    after which sequences may move into it, which opens new exchanges (a common-level layout of
+    the rounds go on if that made one faster. Each unlocks the other: exchanges lower a
+    memory-full micro-batch's makespan, after which sequences may move into it, which opens new
+    exchanges (a common-level layout of
     2,048 Pareto-tailed documents at 64 GPUs: 18.41 s after one round, 17.78 s after two). The
     local search comes first because it is the cheaper of the two and this pass often has only a
     few hundredths of a second: on a Pareto-tailed step of 4,096 documents at 64 GPUs the first

@@ -9,9 +9,11 @@ micro-batch as a whole finishes sooner. On a lognormal step of 512 documents (me
 2,343 ms; with its six longest opened on groups of 8 and the rest stuffed beside them, 2,233 ms.
 
 :func:`reseed_micro_batches` tries, per micro-batch, its ``q`` longest sequences each opened alone
-on a group of size ``d`` (every size, a few ``q``), the rest stuffed (:meth:`LevelPacker.stuff`)
-at the lowest level that leaves nothing out; a packing is kept only when faster. A try is given up
-after one stuffing when it cannot beat the best level found, so most cost one stuffing.
+on a group of their cheapest size (least GPU-time) or one or two sizes up, the rest stuffed
+(:meth:`LevelPacker.stuff`) at the lowest level that leaves nothing out; a packing is kept only
+when faster. A try is given up after one stuffing when it cannot beat the best level found, so
+most cost one stuffing. Where seedings won on the finished plans of 28 hard 64-GPU batches, 60
+went one size up, 25 stayed at the cheapest (the order alone) and 5 went two up; none further.
 """
 
 from __future__ import annotations
@@ -53,7 +55,8 @@ def reseed(packer: LevelPacker, items: np.ndarray, upper: float, deadline=None,
            rel_tol: float = 2e-3) -> tuple[float, list[Group]] | None:
     """The fastest seeded packing (:func:`seeded_pack`) of one micro-batch's ``items`` below
     ``upper * (1 - rel_tol)`` (ms), with its makespan; None when none is. Seeds: the ``q``
-    longest (by fastest finish) for ``q`` in :data:`SEED_COUNTS`, on every size that holds them."""
+    longest (by fastest finish) for ``q`` in :data:`SEED_COUNTS`, on the largest of their
+    cheapest sizes and one or two sizes up, where those hold them."""
     tab = packer.tab
     order = items[np.argsort(-packer.critical[items], kind="stable")]
     floor = packer.lower_bound(items, 1)
@@ -63,7 +66,8 @@ def reseed(packer: LevelPacker, items: np.ndarray, upper: float, deadline=None,
     # micro-batch's N x level must hold the seeds' groups and at least that
     rest_area = np.cumsum(packer.gpu_time_min[order][::-1])[::-1].tolist() + [0.0]
     # each sequence's cheapest size (least GPU-time): seeds go there or one or two sizes up
-    own = packer.sizes[np.argmin(np.where(packer.ok[:, order], packer.gpu_time[:, order], np.inf), axis=0)]
+    own = packer.sizes[np.argmin(np.where(packer.ok[:, order], packer.gpu_time[:, order], np.inf),
+                                 axis=0)]
     for q in SEED_COUNTS:
         if q > len(order):
             break
@@ -72,7 +76,8 @@ def reseed(packer: LevelPacker, items: np.ndarray, upper: float, deadline=None,
         for size in (cheapest, 2 * cheapest, 4 * cheapest):
             if deadline is not None and deadline.expired():
                 return best
-            if size not in tab.cap or q * size > packer.n_gpus or int(tab.lens[seeds].max()) > tab.cap[size]:
+            if (size not in tab.cap or q * size > packer.n_gpus
+                    or int(tab.lens[seeds].max()) > tab.cap[size]):
                 continue
             times = tab.time[size][seeds] + tab.fixed[size]
             alone = float(times.max())

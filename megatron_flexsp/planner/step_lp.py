@@ -299,7 +299,8 @@ class _StepLP:
             h.changeColBounds(col, a, b)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
-        h.setOptionValue("time_limit", h.getRunTime() + self._limit(HOT_START_S))  # HiGHS's clock is cumulative
+        # HiGHS's clock is cumulative
+        h.setOptionValue("time_limit", h.getRunTime() + self._limit(HOT_START_S))
         h.run()
         self.solves += 1
         status = h.getModelStatus()

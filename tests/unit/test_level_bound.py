@@ -566,7 +566,8 @@ def test_lp_solves_stop_at_the_deadline_and_keep_what_was_proven(caplog):
     lp = _StepLP(tab, 3, bound_units(tab), k=1)
     box = ((float(tab.critical_ms().max()), opt),)
     fresh = lp.solve(box, opt)
-    options = {k: lp.h.getOptionValue(k) for k in ("presolve", "simplex_strategy", "simplex_iteration_limit")}
+    names = ("presolve", "simplex_strategy", "simplex_iteration_limit")
+    options = {k: lp.h.getOptionValue(k) for k in names}
     lp.deadline = Deadline(0.0)
     with pytest.raises(SolverOutOfTime):
         lp.solve(box, opt)
@@ -578,8 +579,8 @@ def test_lp_solves_stop_at_the_deadline_and_keep_what_was_proven(caplog):
     floor = lp_step_bound(tab, target_ms=opt, max_solves=0, max_extra=2).bound_ms
     with caplog.at_level("WARNING"):
         for seconds in (0.0, 0.002, 0.01):
-            r = lp_step_bound(tab, target_ms=opt, max_solves=2000, max_extra=2, deadline=Deadline(seconds),
-                              hints=2, hint_deadline=Deadline(0.0))
+            r = lp_step_bound(tab, target_ms=opt, max_solves=2000, max_extra=2,
+                              deadline=Deadline(seconds), hints=2, hint_deadline=Deadline(0.0))
             assert floor - 1e-9 <= r.bound_ms <= full.bound_ms + 1e-9
             assert r.hints == ()
     assert caplog.text == ""
