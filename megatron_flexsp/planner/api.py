@@ -235,6 +235,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     lp = None
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
+        guided_end = _phase(deadline, cfg, ends["guided"])
         last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
                            max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
@@ -242,11 +243,11 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                            count_floor=slot.by_count if slot is not None else None,
                            beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
                            hints=GUIDED_HINTS, refine_above=_milp_covers(candidates, cfg),
-                           floors=bounds.floors, hint_deadline=_phase(deadline, cfg, ends["guided"]))
+                           floors=bounds.floors, hint_deadline=guided_end)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
-            candidates += _guided(tab, packer, lp.hints, best_ms, _phase(deadline, cfg, ends["guided"]), info)
+            candidates += _guided(tab, packer, lp.hints, best_ms, guided_end, info)
             best_ms = min(c[0] for c in candidates)
     if cfg.search == "milp" and bound < best_ms * (1 - cfg.rel_gap):
         tail = bounds.tail  # plans with more micro-batches than the MILP's (the LP's too where it ran)

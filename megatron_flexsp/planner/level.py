@@ -210,14 +210,18 @@ class LevelPacker:
                 hi, found = mid, g
         return hi, found
 
+    def furthest_first(self, layout: list[list[Group]]) -> list[int]:
+        """Indices of ``layout``'s micro-batches, the furthest above their own lower bound
+        (:meth:`lower_bound` of their items, one micro-batch) first."""
+        return sorted(range(len(layout)), key=lambda j: -self.tab.mb_ms(layout[j]) / max(
+            self.lower_bound(mb_items(layout[j]), 1), 1e-9))
+
     def repack(self, layout: list[list[Group]], deadline, rel_tol: float = 2e-3) -> int:
         """Re-pack micro-batches of ``layout`` in place at their smallest level (:meth:`min_level`),
         those furthest above their own lower bound first, keeping a new packing only when it is
         faster; stops at ``deadline``. Returns how many micro-batches got faster."""
-        order = sorted(range(len(layout)), key=lambda j: -self.tab.mb_ms(layout[j]) / max(
-            self.lower_bound(mb_items(layout[j]), 1), 1e-9))
         better = 0
-        for j in order:
+        for j in self.furthest_first(layout):
             if deadline.expired():
                 break
             items = mb_items(layout[j])

@@ -65,14 +65,14 @@ def reseed(packer: LevelPacker, items: np.ndarray, upper: float, deadline=None,
     # GPU-time (ms x GPUs) of the items after the q longest, each at its cheapest size: the
     # micro-batch's N x level must hold the seeds' groups and at least that
     rest_area = np.cumsum(packer.gpu_time_min[order][::-1])[::-1].tolist() + [0.0]
-    # each sequence's cheapest size (least GPU-time): seeds go there or one or two sizes up
-    own = packer.sizes[np.argmin(np.where(packer.ok[:, order], packer.gpu_time[:, order], np.inf),
-                                 axis=0)]
+    # each seed's cheapest size (least GPU-time, the packer's first row): seeds go there or one
+    # or two sizes up
+    own = [packer.sizes_l[packer.row_order[i][0]] for i in order[:SEED_COUNTS[-1]].tolist()]
     for q in SEED_COUNTS:
         if q > len(order):
             break
         seeds = order[:q].tolist()
-        cheapest = int(own[:q].max())
+        cheapest = max(own[:q])
         for size in (cheapest, 2 * cheapest, 4 * cheapest):
             if deadline is not None and deadline.expired():
                 return best
@@ -106,10 +106,8 @@ def reseed_micro_batches(layout: Layout, packer: LevelPacker, deadline) -> int:
     fastest seeded packing (:func:`reseed`) where that is faster, in place, until ``deadline``.
     Returns how many micro-batches got faster."""
     tab = packer.tab
-    order = sorted(range(len(layout)), key=lambda j: -tab.mb_ms(layout[j]) / max(
-        packer.lower_bound(mb_items(layout[j]), 1), 1e-9))
     better = 0
-    for j in order:
+    for j in packer.furthest_first(layout):
         if deadline.expired():
             break
         found = reseed(packer, mb_items(layout[j]), tab.mb_ms(layout[j]), deadline)
