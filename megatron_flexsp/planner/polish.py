@@ -2,7 +2,7 @@
 
 * **Merging the tail** (:func:`merge_tail`): the fastest micro-batches (often short sequences the
   search left in under-filled micro-batches) pooled and split into one fewer, when their tokens
-  allow it (:func:`~planner.search.split_pack`). On a Wikipedia step at 64 GPUs (2,048 sequences)
+  allow it (:func:`~planner.split.split_pack`). On a Wikipedia step at 64 GPUs (2,048 sequences)
   five such micro-batches became four, 4.9% off the step.
 * **Re-splitting pairs** (:func:`resplit_pairs`): the search families decide which sequences share
   a micro-batch once, front to back; here the slowest micro-batch is pooled with another and the
@@ -14,6 +14,8 @@
   replaces the pair when its two makespans sum to less. On GitHub-like documents at 64 GPUs
   (4,096 per step, 20 micro-batches) the first pairs, those of the slowest micro-batch, took 1%
   off the step.
+* **Re-planning the tail** (:func:`~planner.tail.replan_tail`): the slowest micro-batches kept,
+  the others' sequences stuffed once more and split evenly.
 * **Splitting one** (:func:`split_slowest`): the slowest micro-batches split in two the same way,
   where two are faster than one. On a bimodal step at 256 GPUs (eight documents of 196K tokens,
   two of 158-166K, 2,000 short ones) the search ran the two shorter long ones and every short one
@@ -37,7 +39,9 @@ import numpy as np
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.reseed import reseed_micro_batches
-from megatron_flexsp.planner.search import level_grid, split_pack
+from megatron_flexsp.planner.search import level_grid
+from megatron_flexsp.planner.split import split_pack
+from megatron_flexsp.planner.tail import replan_tail
 
 Layout = list[list[Group]]
 #: Polishing settles another family's best layout (after the two best) only within this share of
@@ -53,7 +57,7 @@ def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, lev
     those faster than ``upper``; None when none is. The first is stuffed at ``levels`` levels and
     at the two hardest sequences' finish times on each size in that range; the ``packed`` with the
     least first makespan plus a lower bound on the rest get their rest packed; then the balanced
-    split in two (:func:`~planner.search.split_pack`). ``deadline`` is checked before each
+    split in two (:func:`~planner.split.split_pack`). ``deadline`` is checked before each
     packing."""
     tab = packer.tab
     best: tuple[float, Layout] | None = None
@@ -318,7 +322,9 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     Pareto-tailed step of 4,096 documents at 64 GPUs had its common-level layout fourth of five
     families before it and 2.3% ahead of the others after it; at 4 s a stuffed family had pushed
     it out of the layouts searched, and the plan was 2.4% slower than at 1 s);
-    the best re-splits pairs (:func:`resplit_pairs`, the rest). Returns the polished layouts and
+    the best has its tail re-planned (:func:`~planner.tail.replan_tail`, half the time left), its
+    slowest micro-batches split in two (:func:`split_slowest`) and re-splits pairs
+    (:func:`resplit_pairs`, the rest). Returns the polished layouts and
     the best of those left (searched, or as it was); ``info`` records what each step did."""
     tab = packer.tab
     start, span = time.perf_counter(), max(deadline.left(), 0.0)
@@ -369,6 +375,8 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     if out:
         k = min(range(len(out)), key=lambda j: out[j][0])
         ms, name, layout = out[k]
+        half = deadline.capped(time.perf_counter() + 0.5 * max(deadline.left(), 0.0))
+        info["tail"] = replan_tail(layout, packer, half)
         info["split"] = split_slowest(layout, packer, deadline)
         info["resplit"] = resplit_pairs(layout, packer, deadline)
         out[k] = (tab.step_ms(layout), name, layout)

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -48,13 +49,9 @@ from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, longes
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
+from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack
 
 Layout = list[list[Group]]
-#: A layout being built is given up once it is sure to end this much above the best so far (a
-#: little above: the best layouts are polished afterwards, which may reorder them).
-PRUNE = 0.02
-#: :func:`balanced_split` loops in plain Python up to this many micro-batches, with NumPy above
-_SPLIT_LOOP_MAX = 16
 
 
 class Deadline:
@@ -80,159 +77,6 @@ class Deadline:
         sub = Deadline(0.0)
         sub.start, sub.end = self.start, min(self.end, end)
         return sub
-
-
-def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: int,
-                 give_up_ms: float = math.inf) -> Layout | None:
-    """Micro-batches stuffed one after another at ``max(level, hardest remaining fastest finish)``;
-    None when more than ``max_mbs`` would be needed, or once the micro-batches so far and a lower
-    bound on the rest reach ``give_up_ms``."""
-    layout: Layout = []
-    left = items
-    done = 0.0
-    while len(left):
-        if len(layout) >= max_mbs:
-            return None
-        groups, left = packer.stuff(left, max(level, float(packer.critical[left].max())))
-        if not groups:
-            return None
-        layout.append(groups)
-        done += packer.tab.mb_ms(groups)
-        if done + packer.least_ms(left) >= give_up_ms:
-            return None
-    return layout
-
-
-def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -> list[np.ndarray] | None:
-    """``items`` into ``m`` micro-batches balanced in both GPU-time (``weight``) and tokens: each
-    sequence, the largest share first, goes where the larger of the two shares (load over the mean
-    load, tokens over the mean tokens) stays least, within the token capacity of one micro-batch
-    (``N x C``). None when some sequence finds no room."""
-    cap = tab.cm.capacity_tokens * tab.cm.cluster.num_gpus
-    lens = tab.lens[items].astype(np.float64)
-    w = weight[items]
-    mean_w, mean_s = max(float(w.sum()) / m, 1e-12), max(float(lens.sum()) / m, 1e-12)
-    order = np.argsort(-np.maximum(w / mean_w, lens / mean_s), kind="stable")
-    out: list[list[int]] = [[] for _ in range(m)]
-    if m > _SPLIT_LOOP_MAX:
-        load, tokens = np.zeros(m), np.zeros(m)
-        for k in order.tolist():
-            s_k, w_k = lens[k], w[k]
-            share = np.maximum((load + w_k) / mean_w, (tokens + s_k) / mean_s)
-            share[tokens + s_k > cap] = np.inf
-            j = int(np.argmin(share))
-            if not np.isfinite(share[j]):
-                return None
-            out[j].append(int(items[k]))
-            load[j] += w_k
-            tokens[j] += s_k
-        return [np.array(x, dtype=np.int64) for x in out if x]
-    # the same choices in plain Python (NumPy's per-call cost dominates for a few micro-batches)
-    load_l, tokens_l = [0.0] * m, [0.0] * m
-    lens_l, w_l, items_l = lens.tolist(), w.tolist(), items.tolist()
-    for k in order.tolist():
-        s_k, w_k = lens_l[k], w_l[k]
-        j, least = -1, math.inf
-        for q in range(m):
-            if tokens_l[q] + s_k <= cap:
-                v = max((load_l[q] + w_k) / mean_w, (tokens_l[q] + s_k) / mean_s)
-                if v < least:
-                    j, least = q, v
-        if j < 0 or not math.isfinite(least):
-            return None
-        out[j].append(items_l[k])
-        load_l[j] += w_k
-        tokens_l[j] += s_k
-    return [np.array(x, dtype=np.int64) for x in out if x]
-
-
-def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
-              give_up_ms: float = math.inf) -> Layout | None:
-    """Each part as one micro-batch at its smallest level. A part that does not pack (its groups'
-    memory fragments) keeps its hardest sequences up to a shrinking share of the micro-batch's tokens;
-    what it sheds goes into extra micro-batches at the common level of the others. None when the
-    deadline passes, or once the parts packed so far and the others' lower bounds reach
-    ``give_up_ms``."""
-    layout: Layout = []
-    spill: list[np.ndarray] = []
-    cap = packer.tab.cm.capacity_tokens * packer.n_gpus
-    lens = packer.tab.lens
-    ahead = [packer.lower_bound(part, 1) for part in parts]
-    done = 0.0
-    for k, part in enumerate(parts):
-        if deadline.expired() or done + sum(ahead[k:]) >= give_up_ms:
-            return None
-        found = packer.min_level(part, rel_tol=1e-2)
-        if found is None:
-            order = part[np.argsort(-packer.critical[part], kind="stable")]
-            room = np.cumsum(lens[order])
-            for share in (0.95, 0.9, 0.8, 0.65, 0.5):
-                keep = order[room <= share * cap]
-                found = packer.min_level(keep, rel_tol=1e-2) if len(keep) else None
-                if found is not None:
-                    spill.append(order[len(keep):])
-                    break
-            if found is None:
-                return None
-        layout.append(found[1])
-        done += packer.tab.mb_ms(found[1])
-    if spill:
-        level = float(np.median([packer.tab.mb_ms(mb) for mb in layout])) if layout else 0.0
-        extra = common_level(packer, np.concatenate(spill), level, 4 * len(parts) + 4)
-        if extra is None:
-            return None
-        layout += extra
-    return layout
-
-
-def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline,
-               give_up_ms: float = math.inf) -> Layout | None:
-    """:func:`balanced_split` into ``m`` micro-batches, then :func:`pack_each`."""
-    parts = balanced_split(packer.tab, items, m, packer.gpu_time_min)
-    return pack_each(packer, parts, deadline, give_up_ms) if parts is not None else None
-
-
-def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, around: int = 0,
-               prefix_ms: float = 0.0, upper_ms: float = math.inf) -> tuple[float, int, Layout | None]:
-    """The best :func:`split_pack` over micro-batch counts: from the memory minimum (or ``around``,
-    when given, and its neighbours) upwards in growing steps while it improves, then the neighbours
-    of the best count. Returns (step ms including ``prefix_ms``, count, layout)."""
-    tab = packer.tab
-    if not len(items):
-        return prefix_ms, 0, []
-    m_lo = max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * packer.n_gpus)))
-    area = float(packer.gpu_time_min[items].sum()) / packer.n_gpus
-    seen: dict[int, tuple[float, Layout | None]] = {}
-
-    def evaluate(m: int) -> float:
-        if m < m_lo or m in seen:
-            return seen[m][0] if m in seen else math.inf
-        if deadline.expired() or prefix_ms + m * packer.f_min + area >= upper_ms:
-            seen[m] = (math.inf, None)
-            return math.inf
-        layout = split_pack(packer, items, m, deadline, give_up_ms=upper_ms * (1 + PRUNE) - prefix_ms)
-        seen[m] = (prefix_ms + tab.step_ms(layout) if layout is not None else math.inf, layout)
-        return seen[m][0]
-
-    if around:
-        for m in (around - 1, around, around + 1):
-            evaluate(m)
-    else:
-        step, m, worse = 1, m_lo, 0
-        while worse < 2 and not deadline.expired():
-            before = min((v[0] for v in seen.values()), default=math.inf)
-            if evaluate(m) >= before:
-                worse += 1
-            else:
-                worse = 0
-            m, step = m + step, step * 2
-    if not seen:
-        return math.inf, 0, None
-    best = min(seen, key=lambda k: seen[k][0])
-    for m in (best - 1, best + 1, best - 2, best + 2):
-        evaluate(m)
-    best = min(seen, key=lambda k: seen[k][0])
-    return seen[best][0], best, seen[best][1]
 
 
 def level_grid(lo: float, hi: float, points: int) -> list[float]:
@@ -294,17 +138,63 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
     return chosen
 
 
+def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, best: Callable[[], float],
+                    prefix_ms: float = 0.0, m_min: int = 0, by_memory: bool = True
+                    ) -> Iterator[tuple[str, Layout]]:
+    """Layouts of ``items`` whose first micro-batch is stuffed (:meth:`LevelPacker.stuff`) at a
+    level where the hardest sequences' sizes change (:func:`first_levels`) or where the rest first
+    fits one micro-batch fewer than the memory minimum (memory full, or 2% free), the rest packed
+    groups first (``"stuffed+groups"``) and split at its memory minimum (one more when that does
+    not pack; ``"stuffed+split"``). The levels are tried in the order of a cheap estimate (the
+    first micro-batch plus the rest's simple bound), skipped once that estimate plus ``prefix_ms``
+    (micro-batches the caller keeps) reaches ``best()``, the step time to beat. ``m_min``: the
+    memory minimum of micro-batches (of ``items``' tokens when not given); ``by_memory``: whether
+    to pack the rest groups first too. Yields (family, layout) until ``deadline``."""
+    tab = packer.tab
+    n_gpus, f_min = packer.n_gpus, packer.f_min
+    m_min = m_min or max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * n_gpus)))
+    crit = float(packer.critical[items].max())
+    top = max(crit, 2 * (f_min + float(packer.gpu_time_min[items].sum()) / (n_gpus * m_min)))
+    levels = set(first_levels(packer, items, crit, top))
+    mb_tokens = tab.cm.capacity_tokens * n_gpus
+    if m_min > 1:  # where the rest first fits one micro-batch fewer
+        for share in (1.0, 0.98):
+            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top, deadline=deadline)
+            if fits is not None:
+                levels.add(fits)
+    firsts = []
+    for t1 in sorted(levels):
+        if deadline.expired():
+            break
+        first, left = packer.stuff(items, t1)
+        if not first or not len(left):
+            continue
+        m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
+        estimate = prefix_ms + tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
+        firsts.append((estimate, t1, first, left, m_rest))
+    for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
+        if deadline.expired():
+            break
+        if estimate >= best():
+            continue
+        tails = groups_first_layouts(tab, left, deadline) if by_memory else []
+        for tail in tails:  # the rest packed by memory
+            yield "stuffed+groups", [[tab.clone(g) for g in first]] + tail
+        for m in (m_rest, m_rest + 1):
+            rest = split_pack(packer, left, m, deadline,
+                              give_up_ms=best() * (1 + PRUNE) - prefix_ms - tab.mb_ms(first))
+            if rest is not None:
+                yield "stuffed+split", [first] + rest
+                break
+
+
 def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float, deadline: Deadline,
                 grid: int = 8, times: dict | None = None) -> list[tuple[float, str, Layout]]:
     """Candidate layouts of the whole batch (see the module docstring), each with its step time
     (ms) and family name; only those faster than ``upper_ms``. Each family is capped so that a
     short deadline still leaves time to the next. ``times`` (if given) gets the seconds each
     family took."""
-    n_gpus = tab.cm.cluster.num_gpus
     items = np.arange(len(tab.lens))
-    f_min = packer.f_min
-    area = float(packer.gpu_time_min.sum())
-    crit = float(packer.critical.max())
     out: list[tuple[float, str, Layout]] = []
     best = upper_ms
 
@@ -358,41 +248,11 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
                 break
             keep(common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE)), "level")
     # 3. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
-    #    rest packed groups first and split at its memory minimum (one more when that does not
-    #    pack); the levels are tried
-    #    in the order of a cheap estimate (the first micro-batch plus the rest's simple bound);
-    #    two thirds of the time left, the rest for the balanced split
+    #    rest packed groups first or split (two thirds of the time left, the rest for the
+    #    balanced split)
     own = deadline.capped(time.perf_counter() + deadline.left() * 2 / 3)
-    firsts = []
-    top = max(crit, 2 * (f_min + area / (n_gpus * m_min)))
-    levels = set(first_levels(packer, items, crit, top))
-    mb_tokens = tab.cm.capacity_tokens * n_gpus
-    if m_min > 1:  # where the rest first fits one micro-batch fewer (memory full, or 2% free)
-        for share in (1.0, 0.98):
-            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top, deadline=own)
-            if fits is not None:
-                levels.add(fits)
-    for t1 in sorted(levels):
-        if own.expired():
-            break
-        first, left = packer.stuff(items, t1)
-        if not first or not len(left):
-            continue
-        m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
-        estimate = tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
-        firsts.append((estimate, t1, first, left, m_rest))
-    for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
-        if own.expired():
-            break
-        if estimate >= best:
-            continue
-        for tail in groups_first_layouts(tab, left, own):  # the rest packed by memory
-            keep([[tab.clone(g) for g in first]] + tail, "stuffed+groups")
-        for m in (m_rest, m_rest + 1):
-            rest = split_pack(packer, left, m, own, give_up_ms=best * (1 + PRUNE) - tab.mb_ms(first))
-            if rest is not None:
-                keep([first] + rest, "stuffed+split")
-                break
+    for name, layout in stuffed_layouts(packer, items, own, lambda: best, m_min=m_min):
+        keep(layout, name)
     # 4. one micro-batch packed best fit, where memory allows one (a quarter of the time left)
     if m_min == 1:
         own = deadline.capped(time.perf_counter() + deadline.left() / 4)

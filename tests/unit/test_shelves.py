@@ -96,7 +96,7 @@ def test_a_late_layout_needing_many_micro_batches_is_given_up():
 def test_balanced_split_loops_agree(corpus, monkeypatch):
     """The plain-Python loop of the balanced split makes the NumPy loop's choices: the same parts
     for a few to many micro-batches, each part within one micro-batch's memory."""
-    from megatron_flexsp.planner import search
+    from megatron_flexsp.planner import split as search
 
     cm = _paper_cluster(64)
     tab = Tables(_batch(corpus, 1024, cm), cm)

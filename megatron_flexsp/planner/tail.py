@@ -1,0 +1,57 @@
+"""Re-planning a layout's tail: its slowest micro-batches kept, the rest planned again.
+
+The search families plan the whole batch with one structure: a common level, shelves (each
+micro-batch stuffed at its own level), a stuffed first micro-batch and the rest split or packed by
+memory. Where the longest sequences need two levels of their own, no one structure fits: on a
+lognormal step (mean 4K tokens, 8,192 documents, 1,024 GPUs) the best layout ran the 196K-token
+documents in a first micro-batch of 5.53 s, the 50K ones in a second of 3.33 s, and then four
+more shelves of falling makespans (2.39 to 1.04 s), the last a third full; the same sequences
+after the first micro-batch, stuffed once more and split evenly into four, take 10.47 s instead
+of 10.67 s. :func:`replan_tail` keeps the ``j`` slowest micro-batches of a layout (``j`` = 1, 2,
+3) and plans the sequences of the others as the search's stuffed families do
+(:func:`~planner.search.stuffed_layouts`) and as a balanced split over counts
+(:func:`~planner.split.best_split`), keeping the fastest layout.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+
+from megatron_flexsp.planner.layout import Group, mb_items
+from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.search import stuffed_layouts
+from megatron_flexsp.planner.split import best_split
+
+Layout = list[list[Group]]
+
+
+def replan_tail(layout: Layout, packer: LevelPacker, deadline, keep: int = 3, tries: int = 2) -> int:
+    """Keep the ``j`` slowest micro-batches of ``layout`` (``j`` from 1 to ``keep``, fewer than all)
+    and re-plan the sequences of the others: balanced splits over micro-batch counts, and a first
+    micro-batch stuffed at the levels of :func:`~planner.search.stuffed_layouts` with the rest
+    packed by memory or split. The fastest layout found replaces ``layout`` in place when it is
+    faster. Stops at ``deadline``. Returns how many micro-batches were kept (0: unchanged)."""
+    tab = packer.tab
+    order = sorted(range(len(layout)), key=lambda j: -tab.mb_ms(layout[j]))
+    best_ms = tab.step_ms(layout)
+    best: Layout | None = None
+    kept = 0
+    for j in range(1, min(keep, len(layout) - 1) + 1):
+        if deadline.expired():
+            break
+        fixed = [layout[q] for q in order[:j]]
+        fixed_ms = sum(tab.mb_ms(mb) for mb in fixed)
+        items = np.concatenate([mb_items(layout[q]) for q in order[j:]])
+        for _, rest in itertools.islice(stuffed_layouts(packer, items, deadline, lambda: best_ms,
+                                                        prefix_ms=fixed_ms, by_memory=False), tries):
+            ms = fixed_ms + tab.step_ms(rest)
+            if ms < best_ms * (1 - 1e-9):
+                best_ms, best, kept = ms, fixed + rest, j
+        ms, _, rest = best_split(packer, items, deadline, prefix_ms=fixed_ms, upper_ms=best_ms)
+        if rest is not None and ms < best_ms * (1 - 1e-9):
+            best_ms, best, kept = ms, fixed + rest, j
+    if best is not None:
+        layout[:] = [[tab.clone(g) for g in mb] for mb in best]
+    return kept
