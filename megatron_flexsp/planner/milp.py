@@ -114,6 +114,14 @@ class _Model:
         return h
 
 
+class SolverTrouble(RuntimeError):
+    """HiGHS ended an LP of the bound with a status that proves neither optimality nor infeasibility."""
+
+
+class SolverOutOfTime(SolverTrouble):
+    """An LP of the bound was stopped, or not started, at the caller's deadline."""
+
+
 @dataclass(frozen=True)
 class MilpOptions:
     """How to build and solve one MILP.

@@ -38,7 +38,7 @@ import numpy as np
 
 from megatron_flexsp.planner.count_rows import CountRow, Shares, pair_rows
 from megatron_flexsp.planner.layout import Tables
-from megatron_flexsp.planner.milp import _Model
+from megatron_flexsp.planner.milp import SolverOutOfTime, SolverTrouble, _Model
 
 Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
 #: Seconds a hot-started solve may take (they take 2-25 ms; one in a thousand ran into numerical
@@ -65,14 +65,6 @@ class Hint:
     value_ms: float
     levels: tuple[float, ...]
     singles: tuple[tuple[tuple[int, int], ...], ...]
-
-
-class SolverTrouble(RuntimeError):
-    """HiGHS ended an LP of the bound with a status that proves neither optimality nor infeasibility."""
-
-
-class SolverOutOfTime(SolverTrouble):
-    """An LP of the bound was stopped, or not started, at the caller's deadline."""
 
 
 class _StepLP:
