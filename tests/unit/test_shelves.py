@@ -96,17 +96,17 @@ def test_a_late_layout_needing_many_micro_batches_is_given_up():
 def test_balanced_split_loops_agree(corpus, monkeypatch):
     """The plain-Python loop of the balanced split makes the NumPy loop's choices: the same parts
     for a few to many micro-batches, each part within one micro-batch's memory."""
-    from megatron_flexsp.planner import split as search
+    from megatron_flexsp.planner import split
 
     cm = _paper_cluster(64)
     tab = Tables(_batch(corpus, 1024, cm), cm)
     weight = LevelPacker(tab).gpu_time_min
     items = np.arange(len(tab.lens))
     for m in (3, 6, 12):
-        monkeypatch.setattr(search, "_SPLIT_LOOP_MAX", 64)
-        plain = search.balanced_split(tab, items, m, weight)
-        monkeypatch.setattr(search, "_SPLIT_LOOP_MAX", 0)
-        vector = search.balanced_split(tab, items, m, weight)
+        monkeypatch.setattr(split, "_SPLIT_LOOP_MAX", 64)
+        plain = split.balanced_split(tab, items, m, weight)
+        monkeypatch.setattr(split, "_SPLIT_LOOP_MAX", 0)
+        vector = split.balanced_split(tab, items, m, weight)
         assert (plain is None) == (vector is None)
         if plain is None:
             continue
