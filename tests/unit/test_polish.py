@@ -92,7 +92,7 @@ def test_exchanges_even_out_a_memory_bound_micro_batch():
     GPU-time over N), and only exchanges (a sequence of the slowest GPU for one of a partner's,
     or for the partner's shortest that make room) even it out, to within 0.2% of the bound.
     Every sequence stays once, within memory; once converged nothing more is exchanged."""
-    from megatron_flexsp.planner.polish import balance_groups
+    from megatron_flexsp.planner.exchange import balance_groups
 
     cm = _paper_cluster(64)
     lens = _batch("github", 2048, cm)
@@ -176,7 +176,8 @@ def test_touch_up_repeats_its_rounds_until_neither_gains():
     where one more round gains nothing; every sequence is placed once and memory holds."""
     from megatron_flexsp.planner import heuristics as H
     from megatron_flexsp.planner.layout import improve_layout
-    from megatron_flexsp.planner.polish import balance_groups, touch_up
+    from megatron_flexsp.planner.exchange import balance_groups
+    from megatron_flexsp.planner.polish import touch_up
     from megatron_flexsp.planner.search import base_range
 
     cm = _paper_cluster(64)
@@ -260,7 +261,7 @@ def test_local_search_and_exchanges_end_where_their_neighbourhoods_gain_nothing(
     Pareto-tailed batches: where they stop, no move and no exchange they consider gains."""
     from megatron_flexsp.planner import heuristics as H
     from megatron_flexsp.planner.layout import improve_layout
-    from megatron_flexsp.planner.polish import balance_groups
+    from megatron_flexsp.planner.exchange import balance_groups
     from megatron_flexsp.planner.search import base_range
 
     cm = _paper_cluster(64)
