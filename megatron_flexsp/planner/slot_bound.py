@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import highspy
 import numpy as np
 
+from megatron_flexsp.planner.hot_lp import resolve
 from megatron_flexsp.planner.step_lp import SolverTrouble
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import _Model
@@ -198,13 +199,9 @@ def _round_sizes(tab: Tables, order: np.ndarray, starts: np.ndarray,
 
 def _solve(h: highspy.Highs, m_col: int) -> tuple[float, float] | None:
     """Run; (m, objective) at an optimum, None when infeasible. A hot start that ends without
-    either is run again from scratch; any other status after that raises."""
-    h.run()
-    status = h.getModelStatus()
-    if status not in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-        h.clearSolver()  # HiGHS may return 'Unknown' from a hot start after a bound change
-        h.run()
-        status = h.getModelStatus()
+    either is run again from scratch (:func:`~planner.hot_lp.resolve`); any other status after
+    that raises."""
+    status, _ = resolve(h)
     if status == highspy.HighsModelStatus.kOptimal:
         return float(h.getSolution().col_value[m_col]), float(h.getInfo().objective_function_value)
     if status == highspy.HighsModelStatus.kInfeasible:

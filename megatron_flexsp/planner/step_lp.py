@@ -37,21 +37,15 @@ import highspy
 import numpy as np
 
 from megatron_flexsp.planner.count_rows import CountRow, Shares, pair_rows
+from megatron_flexsp.planner.hot_lp import resolve
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import SolverOutOfTime, SolverTrouble, _Model
 
 Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
-#: Seconds a hot-started solve may take (they take 2-25 ms; one in a thousand ran into numerical
-#: trouble for 0.7 s and ended 'Unknown') and each solve from scratch after it (30-50 ms); past
-#: the last the search stops with what it proved (:class:`SolverTrouble`)
-HOT_START_S = 0.08
-SCRATCH_S = 0.3
 #: A bucket gets a tangent row (:meth:`~planner.count_rows.CountRow.count`) where its longest
 #: member is at least this share of the batch's longest sequence: long members differ in how many
 #: groups they need, short ones fill groups fluidly (and each row costs every re-solve)
 TAIL_SHARE = 1 / 8
-#: HiGHS ``simplex_strategy`` values
-DUAL_SIMPLEX, PRIMAL_SIMPLEX = 1, 4
 
 
 @dataclass(frozen=True)
@@ -238,8 +232,7 @@ class _StepLP:
         # a hot start needing more iterations than the LP has rows is in numerical trouble (one
         # took 1,934 iterations and 0.37 s, then ended 'Unknown'); from scratch takes 1,400-1,900
         # iterations but a tenth of that time
-        self._hot_limit = max(500, self.h.getNumRow())
-        self.h.setOptionValue("simplex_iteration_limit", self._hot_limit)
+        self.h.setOptionValue("simplex_iteration_limit", max(500, self.h.getNumRow()))
         self.solves = 0
         #: a :class:`~planner.search.Deadline` no solve runs past (:meth:`_limit`)
         self.deadline = None
@@ -291,37 +284,12 @@ class _StepLP:
             h.changeColBounds(col, a, b)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
-        # HiGHS's clock is cumulative
-        h.setOptionValue("time_limit", h.getRunTime() + self._limit(HOT_START_S))
-        h.run()
-        self.solves += 1
-        status = h.getModelStatus()
-        # a hot start may end 'Unknown' after coefficient changes, or at a limit: then from
-        # scratch, then with presolve, then with the primal simplex (the dual simplex ended
-        # 'Unknown' on a box of a lognormal step at 1,024 GPUs that the primal simplex and the
-        # interior point method both prove infeasible)
-        try:
-            for presolve, strategy in (("off", DUAL_SIMPLEX), ("on", DUAL_SIMPLEX), ("on", PRIMAL_SIMPLEX)):
-                if status in (highspy.HighsModelStatus.kOptimal, highspy.HighsModelStatus.kInfeasible):
-                    break
-                h.setOptionValue("presolve", presolve)
-                h.setOptionValue("simplex_strategy", strategy)
-                h.setOptionValue("simplex_iteration_limit", 2**31 - 1)
-                h.setOptionValue("time_limit", h.getRunTime() + self._limit(SCRATCH_S))
-                h.clearSolver()
-                h.run()
-                self.solves += 1
-                status = h.getModelStatus()
-        finally:
-            h.setOptionValue("presolve", "off")
-            h.setOptionValue("simplex_strategy", DUAL_SIMPLEX)
-            h.setOptionValue("simplex_iteration_limit", self._hot_limit)
+        status, runs = resolve(h, self._limit)
+        self.solves += runs
         if status == highspy.HighsModelStatus.kOptimal:
             return float(h.getInfo().objective_function_value)
         if status == highspy.HighsModelStatus.kInfeasible:
             return math.inf
-        # anything else (a limit, numerical trouble, unboundedness) proves nothing: never read it
-        # as "infeasible", which would raise the bound without proof
         raise SolverTrouble(f"LP bound: HiGHS returned {h.modelStatusToString(status)!r} "
                             f"(m={self.m}, box={[(round(a, 1), round(b, 1)) for a, b in box]}, "
                             f"R cap={r_cap:.1f} ms)")
