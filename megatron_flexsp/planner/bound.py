@@ -12,6 +12,7 @@ within a tolerance or the boxes are narrow (a few LP re-solves, independent of N
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from dataclasses import dataclass
@@ -216,6 +217,10 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     count whose search has converged, or has taken ``switch_after`` solves, is searched again with
     one more explicit micro-batch (up to ``max_explicit``; two more where at most one would stay
     pooled), within the slowest makespans still open and above the bound already proven.
+    The LP places :func:`bound_units`' small set of units first (quick solves); once that pass
+    has converged below the target with time left, every count is searched again with
+    :data:`WIDE_UNITS` (more sequences placed one by one), from the explicit micro-batches and
+    slowest makespans where the first pass ended and above what it proved.
     ``target_ms`` (the best plan) caps the result.
     Past ``deadline`` the counts not reached keep their floors, so the result stays valid.
     ``count_floor``: bounds already proven for plans of a given count (e.g. the slot bound's,
@@ -228,77 +233,29 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
     ``floors``: :func:`~planner.floors.step_floors` of ``tab`` when the caller has them.
     """
-    m_min = min_micro_batches(tab)
-    crit = float(tab.critical_ms().max())
-    simple = (floors or step_floors(tab)).at_least  # valid for plans with m or more micro-batches
-    units = bound_units(tab)
-
-    floors = count_floor or {}
-
-    def search(m: int, **kw) -> _CountSearch:
-        return _CountSearch(tab, m, units, target_ms=target_ms, rel_tol=rel_tol, deadline=deadline, **kw)
-
-    found: dict[int, _CountSearch] = {}
-    # counts not searched yet, at a bound already proven for them; a count's LP is built only once
-    # it is the lowest (each costs a build and a solve from scratch: most of a short budget); the
-    # last, ``last``, stands for every count from it on (an open-ended search)
-    waiting: dict[int, float] = {}
-    last = m_min + max_extra + 1
-    beyond = math.inf  # a bound for the counts from the first one left out on
-    for m in range(m_min, last + 1):
-        if simple(m) >= target_ms:
-            beyond = target_ms
+    floors = floors or step_floors(tab)
+    proven = dict(count_floor or {})
+    solves, found, result, start = 0, {}, None, {}
+    small, wide = bound_units(tab), bound_units(tab, **WIDE_UNITS)
+    same = len(small) == len(wide) and all(sa == sb and np.array_equal(a, b)
+                                           for (a, sa), (b, sb) in zip(small, wide))
+    for units in (small,) if same else (small, wide):
+        run = _Counts(tab, units, target_ms=target_ms, max_extra=max_extra, rel_tol=rel_tol,
+                      deadline=deadline, max_explicit=max_explicit, switch_after=switch_after,
+                      count_floor=proven, beyond_floor=beyond_floor, hints=hints,
+                      refine_above=refine_above, floors=floors, start=start)
+        converged = run.search(max_solves - solves)
+        solves += run.solves
+        if run.found:
+            found = run.found
+        result = run.result(solves, prev=result)
+        if not converged or result.bound_ms >= target_ms * (1 - rel_tol) or _late(deadline):
             break
-        waiting[m] = max(simple(m), floors.get(m, 0.0) if m < last else beyond_floor)
-    spent = 0  # solves of searches replaced by ones with more explicit micro-batches
-
-    settled: set[int] = set()  # counts up to ``refine_above`` whose search converged
-
-    def lowest() -> tuple[int, float]:
-        values = {c: s.bound for c, s in found.items() if c not in settled} | waiting
-        m = min(values, key=lambda c: (values[c], c))
-        return m, values[m]
-
-    try:
-        while (len(found) > len(settled) or waiting) and not _late(deadline):
-            m, value = lowest()
-            # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
-            if value >= target_ms * (1 - rel_tol) or (value >= beyond and not hints):
-                break
-            used = sum(s.solves for s in found.values()) + spent
-            if used >= max_solves:
-                break
-            if m in waiting:
-                try:
-                    found[m] = search(m, t1_lo=crit, t1_hi=math.inf, explicit=1, floor=waiting[m],
-                                      open_ended=m == last)
-                except SolverTrouble as exc:  # this count and all larger ones keep their floors
-                    _report(exc, "%s; using the simple bound (or a floor proven for it) for %d or more "
-                            "micro-batches", m)
-                    beyond = min(beyond, min(v for c, v in waiting.items() if c >= m))
-                    waiting = {c: v for c, v in waiting.items() if c < m}
-                    continue
-                del waiting[m]
-                continue
-            cur = found[m]
-            if cur.done() or cur.solves >= switch_after * cur.k:
-                if cur.k >= min(max_explicit, m - 1 if m == last else m):  # open-ended: one pooled
-                    if cur.done() and m <= refine_above:
-                        settled.add(m)
-                        continue
-                    if cur.done():
-                        break  # the lowest count cannot be raised further
-                else:
-                    lo, hi = cur.t1_range()
-                    spent += cur.solves
-                    # two more at once where at most one micro-batch would stay pooled
-                    k = cur.k + 2 if cur.k + 3 >= m else cur.k + 1
-                    found[m] = search(m, t1_lo=max(crit, lo), t1_hi=hi, explicit=min(k, max_explicit, m),
-                                      floor=cur.bound, open_ended=m == last)
-                    continue
-            cur.step(deadline)
-    except SolverTrouble as exc:  # what the searches proved stays valid
-        _report(exc, "%s; keeping the bounds proven so far")
+        proven = {c: max(v, proven.get(c, 0.0)) for c, v in result.by_count}
+        beyond_floor = max(beyond_floor, result.rest_ms)
+        # each count starts where the first pass ended: its explicit micro-batches, and the slowest
+        # makespans its open boxes still span (plans faster than the target are there)
+        start = {c: (s.k, *s.t1_range()) for c, s in run.found.items() if s.heap}
     placed = []
     for m in sorted((c for c in found if found[c].heap), key=lambda c: found[c].bound)[:hints]:
         found[m].lp.deadline = hint_deadline
@@ -309,17 +266,113 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
             continue
         if hint is not None:
             placed.append(hint)
-    solves = sum(s.solves for s in found.values()) + spent
-    counts = {c: s.bound for c, s in found.items()} | waiting
-    rest = min(beyond, target_ms, counts.pop(last, math.inf))  # with the open-ended search's
-    return BoundResult(m_min + max_extra, min(list(counts.values()) + [rest]), solves,
-                       sum(len(s.heap) for s in found.values()), hints=tuple(placed),
-                       by_count=tuple(sorted(counts.items())), rest_ms=rest)
+    return dataclasses.replace(result, hints=tuple(placed))
 
 
-def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> list[tuple[np.ndarray, bool]]:
+class _Counts:
+    """One pass of :func:`lp_step_bound` over the micro-batch counts with one set of ``units``;
+    ``start``: per count, the explicit micro-batches and slowest makespans (lo, hi) to start from."""
+
+    def __init__(self, tab: Tables, units, *, target_ms: float, max_extra: int, rel_tol: float, deadline,
+                 max_explicit: int, switch_after: int, count_floor: dict[int, float], beyond_floor: float,
+                 hints: int, refine_above: int, floors: StepFloors,
+                 start: dict[int, tuple[int, float, float]]) -> None:
+        self.tab, self.units, self.target, self.rel_tol, self.deadline = tab, units, target_ms, rel_tol, deadline
+        self.max_explicit, self.switch_after, self.hints, self.refine_above = (max_explicit, switch_after,
+                                                                               hints, refine_above)
+        self.m_min = min_micro_batches(tab)
+        self.max_extra, self.start = max_extra, start
+        simple = floors.at_least  # valid for plans with m or more micro-batches
+        self.found: dict[int, _CountSearch] = {}
+        # counts not searched yet, at a bound already proven for them; a count's LP is built only once
+        # it is the lowest (each costs a build and a solve from scratch: most of a short budget); the
+        # last, ``last``, stands for every count from it on (an open-ended search)
+        self.waiting: dict[int, float] = {}
+        self.last = last = self.m_min + max_extra + 1
+        self.beyond = math.inf  # a bound for the counts from the first one left out on
+        for m in range(self.m_min, last + 1):
+            if simple(m) >= target_ms:
+                self.beyond = target_ms
+                break
+            self.waiting[m] = max(simple(m), count_floor.get(m, 0.0) if m < last else beyond_floor)
+        self.spent = 0  # solves of searches replaced by ones with more explicit micro-batches
+        self.settled: set[int] = set()  # counts up to ``refine_above`` whose search converged
+
+    @property
+    def solves(self) -> int:
+        return sum(s.solves for s in self.found.values()) + self.spent
+
+    def _new(self, m: int, **kw) -> _CountSearch:
+        return _CountSearch(self.tab, m, self.units, target_ms=self.target, rel_tol=self.rel_tol,
+                            deadline=self.deadline, open_ended=m == self.last, **kw)
+
+    def _lowest(self) -> tuple[int, float]:
+        values = {c: s.bound for c, s in self.found.items() if c not in self.settled} | self.waiting
+        m = min(values, key=lambda c: (values[c], c))
+        return m, values[m]
+
+    def search(self, max_solves: int) -> bool:
+        """Refine the lowest count until ``max_solves``, the deadline, or the bound cannot rise;
+        True when it stopped because no search can raise it further (converged)."""
+        found, crit, last = self.found, float(self.tab.critical_ms().max()), self.last
+        try:
+            while (len(found) > len(self.settled) or self.waiting) and not _late(self.deadline):
+                m, value = self._lowest()
+                # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
+                if value >= self.target * (1 - self.rel_tol) or (value >= self.beyond and not self.hints):
+                    return False
+                if self.solves >= max_solves:
+                    return False
+                if m in self.waiting:
+                    k, lo, hi = self.start.get(m, (1, crit, math.inf))
+                    try:
+                        found[m] = self._new(m, t1_lo=max(crit, lo), t1_hi=hi, explicit=k, floor=self.waiting[m])
+                    except SolverTrouble as exc:  # this count and all larger ones keep their floors
+                        _report(exc, "%s; using the simple bound (or a floor proven for it) for %d or more "
+                                "micro-batches", m)
+                        self.beyond = min(self.beyond, min(v for c, v in self.waiting.items() if c >= m))
+                        self.waiting = {c: v for c, v in self.waiting.items() if c < m}
+                        continue
+                    del self.waiting[m]
+                    continue
+                cur = found[m]
+                if cur.done() or cur.solves >= self.switch_after * cur.k:
+                    if cur.k >= min(self.max_explicit, m - 1 if m == last else m):  # open-ended: one pooled
+                        if cur.done() and m <= self.refine_above:
+                            self.settled.add(m)
+                            continue
+                        if cur.done():
+                            return True  # the lowest count cannot be raised further
+                    else:
+                        lo, hi = cur.t1_range()
+                        self.spent += cur.solves
+                        # two more at once where at most one micro-batch would stay pooled
+                        k = cur.k + 2 if cur.k + 3 >= m else cur.k + 1
+                        found[m] = self._new(m, t1_lo=max(crit, lo), t1_hi=hi,
+                                             explicit=min(k, self.max_explicit, m), floor=cur.bound)
+                        continue
+                cur.step(self.deadline)
+        except SolverTrouble as exc:  # what the searches proved stays valid
+            _report(exc, "%s; keeping the bounds proven so far")
+            return False
+        return not _late(self.deadline)
+
+    def result(self, solves: int, prev: BoundResult | None = None) -> BoundResult:
+        """The bounds proven (each count's at least ``prev``'s, from an earlier pass)."""
+        counts = {c: s.bound for c, s in self.found.items()} | self.waiting
+        rest = min(self.beyond, self.target, counts.pop(self.last, math.inf))  # with the open-ended search's
+        if prev is not None:
+            counts = {c: max(v, dict(prev.by_count).get(c, 0.0)) for c, v in counts.items()}
+            rest = max(rest, prev.rest_ms)
+        return BoundResult(self.m_min + self.max_extra, min(list(counts.values()) + [rest]), solves,
+                           sum(len(s.heap) for s in self.found.values()),
+                           by_count=tuple(sorted(counts.items())), rest_ms=rest)
+
+
+def bound_units(tab: Tables, *, num_buckets: int = 8, max_single: int = 12) -> list[tuple[np.ndarray, bool]]:
     """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
-    the others as length buckets (cut at every size's memory capacity)."""
+    the others as length buckets (cut at every size's memory capacity). The defaults keep the LP
+    small (about 630 rows at 64 GPUs, twice the solves of :data:`WIDE_UNITS` in the same time)."""
     order = np.argsort(-tab.critical_ms(), kind="stable")
     singles = [int(i) for i in order[:max_single]]
     rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
@@ -328,6 +381,11 @@ def bound_units(tab: Tables, *, num_buckets: int = 12, max_single: int = 24) -> 
                            a_lin=cm.coeffs.a_lin_ms_per_token,
                            cuts=_heavy_cuts(tab))
     return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+#: :func:`bound_units` of :func:`lp_step_bound`'s second pass: more sequences placed one by one
+#: see which long ones cannot share a group (the memory pair rows), at about 1.6x the LP's rows
+WIDE_UNITS = {"num_buckets": 12, "max_single": 24}
 
 
 def _heavy_cuts(tab: Tables) -> tuple[int, ...]:

@@ -459,6 +459,49 @@ def test_a_count_search_never_gives_back_a_bound_it_proved():
     assert 27.2 <= seen[-1] <= plan_ms
 
 
+def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch):
+    """The bound searches with few units placed one by one first and, once that pass converged
+    below the target, again with :data:`~planner.bound.WIDE_UNITS`: each count's second search
+    starts with as many explicit micro-batches as the first ended with, the result is at least
+    what the first pass alone proves (whatever the second pass proves by itself), and it stays below the brute-force optimum. (Tiny instances:
+    the first pass forced down to 2 singles and 1 bucket, the second to buckets alone, which
+    proves less by itself.)"""
+    from megatron_flexsp.planner import bound as bound_mod
+
+    original = bound_mod.bound_units
+    built: list[tuple[bool, int, int]] = []  # (no single: the second pass, count, explicit)
+
+    def units(tab, **kw):  # the first pass's: 2 singles, 1 bucket; the wide pass's as asked
+        return original(tab, **(kw or {"num_buckets": 1, "max_single": 2}))
+
+    class Counting(bound_mod._CountSearch):
+        def __init__(self, tab, m, units_, *args, explicit, **kw):
+            built.append((not any(single for _, single in units_), m, explicit))
+            super().__init__(tab, m, units_, *args, explicit=explicit, **kw)
+
+    monkeypatch.setattr(bound_mod, "_CountSearch", Counting)
+    second = 0
+    for seed in range(6):
+        cm, lens, opt = many_micro_batch_instance(seed)
+        tab = Tables(np.asarray(lens), cm)
+        monkeypatch.setattr(bound_mod, "bound_units", units)
+        monkeypatch.setattr(bound_mod, "WIDE_UNITS", {"num_buckets": 1, "max_single": 2})
+        alone = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=4000, max_extra=2, rel_tol=0.01)
+        # a second pass that proves less alone (everything bucketed): what the first proved stays
+        monkeypatch.setattr(bound_mod, "WIDE_UNITS", {"num_buckets": 1, "max_single": 0})
+        built.clear()
+        r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=4000, max_extra=2, rel_tol=0.01)
+        assert alone.bound_ms * (1 - 1e-9) <= r.bound_ms <= opt * (1 + 1e-6), (seed, alone, r, opt)
+        first = {}
+        for wide, m, k in built:
+            if wide:
+                assert k >= first.get(m, 1), (seed, m, k, first)
+                second += 1
+            else:
+                first[m] = max(first.get(m, 0), k)
+    assert second > 0
+
+
 def test_few_micro_batches_go_to_all_but_one_explicit_at_once(monkeypatch):
     """A count whose search with one explicit micro-batch is done is searched again with more: up
     to four micro-batches straight to three explicit, all of three and all but the last of four
@@ -495,8 +538,10 @@ def test_long_documents_that_cannot_pair_in_memory_count_a_group_each():
     s): the relaxation ran every document of 40K tokens or more in its slowest micro-batch, filling
     the groups' memory fluidly with documents that cannot share a group with any of them (a group of
     16 holding a 56K document has no room for a 44K one). The memory pair rows count those as a
-    group each: 13.51 s without them, over 13.65 s with."""
-    from megatron_flexsp.planner.bound import step_bound
+    group each: 13.51 s without them, over 13.65 s with. They need the documents of 40K tokens and
+    more placed one by one: the wide units of the bound's second pass (24 singles; the first
+    pass's 12 prove 13.49 s)."""
+    from megatron_flexsp.planner.bound import WIDE_UNITS, bound_units, step_bound
     from megatron_flexsp.sim.corpora import synthetic_lengths
     from megatron_flexsp.sim.workloads import sample_batches
     from tests.unit.test_packing import _paper_cluster
@@ -506,7 +551,7 @@ def test_long_documents_that_cannot_pair_in_memory_count_a_group_each():
                            seed=0, max_seq_len=196608)[0][0]
     tab = Tables(np.minimum(batch, cm.max_tokens), cm)
     bound = step_bound(tab, 5, target_ms=14472.0, t1_lo=float(tab.critical_ms().max()), max_solves=600,
-                       explicit=2).bound_ms
+                       explicit=2, units=bound_units(tab, **WIDE_UNITS)).bound_ms
     assert bound >= 13650.0
 
 
