@@ -40,7 +40,7 @@ from megatron_flexsp.sim import simulate  # noqa: E402
 from megatron_flexsp.sim.gap import gap_parts  # noqa: E402
 from megatron_flexsp.sim.corpora import SYNTHETIC, synthetic_lengths  # noqa: E402
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches  # noqa: E402
-from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, machine_speed, provenance, write_outputs  # noqa: E402
 
 STRATEGIES = ("static", "batchada", "megatron-dcp", "megatron-hybrid-cp", "flexsp")
 WIKI = ROOT.parent / "shared" / "seqlen" / "flexsp_wikipedia_seqlens.txt"
@@ -254,7 +254,7 @@ def main() -> int:
     else:
         cells = [("wikipedia", int(n), 8 * int(n)) for n in args.gpus.split(",")]
     result = {"provenance": provenance(profile=args.profile, model=args.model, max_seq_len=args.max_seq_len,
-                                       budget_s=args.budget),
+                                       budget_s=args.budget, machine=machine_speed()),
               "cells": run_cells(cells, args, profile)}
     if not args.sweep and args.ref_batches:
         result["reference"] = reference_head_to_head(args, profile)

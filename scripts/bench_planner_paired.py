@@ -47,7 +47,7 @@ from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.sim.corpora import synthetic_lengths  # noqa: E402
 from megatron_flexsp.sim.workloads import load_lengths, sample_batches  # noqa: E402
-from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, machine_speed, provenance, write_outputs  # noqa: E402
 
 WIKI = ROOT.parent / "shared" / "seqlen" / "flexsp_wikipedia_seqlens.txt"
 #: (corpus, global batch) at 64 GPUs: the sweep cells with the largest gaps
@@ -325,7 +325,8 @@ def side_by_side_report(args) -> tuple[dict, list[str]]:
                                 capture_output=True, text=True).stdout.strip() or "unknown"
         result = {"provenance": provenance(profile=args.profile, model=args.model, num_gpus=args.gpus,
                                            max_seq_len=args.max_seq_len, cells=args.cells,
-                                           against=f"{args.against} (commit {commit})"),
+                                           against=f"{args.against} (commit {commit})",
+                                           machine=machine_speed()),
                   "rows": plan_side_by_side(args, tree)}
     lines = header_lines("Paired planner benchmark, side by side", result["provenance"])
     lines += side_by_side_table(result["rows"])
@@ -343,7 +344,8 @@ def paired_report(args) -> tuple[dict, list[str]]:
     baseline = before["rows"] if before else None
     named = f"{args.baseline} (commit {before['provenance'].get('commit', 'unknown')})" if before else None
     result = {"provenance": provenance(profile=args.profile, model=args.model, num_gpus=args.gpus,
-                                       max_seq_len=args.max_seq_len, cells=args.cells, baseline=named),
+                                       max_seq_len=args.max_seq_len, cells=args.cells, baseline=named,
+                                       machine=machine_speed()),
               "rows": plan_cells(args, cm)}
     lines = header_lines("Paired planner benchmark", result["provenance"]) + table(result["rows"], baseline)
     lines += ["", "Gaps are against each plan's own proven bound; plan times are wall time on one core. "
