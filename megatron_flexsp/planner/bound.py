@@ -362,7 +362,8 @@ class _Counts:
         counts = {c: s.bound for c, s in self.found.items()} | self.waiting
         rest = min(self.beyond, self.target, counts.pop(self.last, math.inf))  # with the open-ended search's
         if prev is not None:
-            counts = {c: max(v, dict(prev.by_count).get(c, 0.0)) for c, v in counts.items()}
+            before = dict(prev.by_count)
+            counts = {c: max(v, before.get(c, 0.0)) for c, v in counts.items()}
             rest = max(rest, prev.rest_ms)
         return BoundResult(self.m_min + self.max_extra, min(list(counts.values()) + [rest]), solves,
                            sum(len(s.heap) for s in self.found.values()),

@@ -463,9 +463,9 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
     """The bound searches with few units placed one by one first and, once that pass converged
     below the target, again with :data:`~planner.bound.WIDE_UNITS`: each count's second search
     starts with as many explicit micro-batches as the first ended with, the result is at least
-    what the first pass alone proves (whatever the second pass proves by itself), and it stays below the brute-force optimum. (Tiny instances:
-    the first pass forced down to 2 singles and 1 bucket, the second to buckets alone, which
-    proves less by itself.)"""
+    what the first pass alone proves (whatever the second pass proves by itself), and it stays
+    below the brute-force optimum. (Tiny instances: the first pass forced down to 2 singles and 1
+    bucket, the second to buckets alone, which proves less by itself.)"""
     from megatron_flexsp.planner import bound as bound_mod
 
     original = bound_mod.bound_units
