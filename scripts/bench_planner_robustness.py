@@ -32,7 +32,7 @@ from megatron_flexsp.config import PlannerConfig  # noqa: E402
 from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
 from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
-from megatron_flexsp.utils.report import header_lines, provenance, write_outputs  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, machine_speed, provenance, write_outputs  # noqa: E402
 
 MAX_SEQ_LEN = 196608
 #: profile/model/GPUs:budget seconds
@@ -91,7 +91,7 @@ def run(args) -> dict:
                        **one(cm, lens, float(budget))}
                 rows.append(row)
                 print(_line(row), flush=True)
-    return {"provenance": provenance(seed=args.seed), "rows": rows}
+    return {"provenance": provenance(seed=args.seed, machine=machine_speed()), "rows": rows}
 
 
 def _line(r: dict) -> str:
