@@ -48,6 +48,14 @@ log = get_logger(__name__)
 #: open); a rounded plan is polished when at most ``GUIDED_SLACK`` slower than the best found
 GUIDED_HINTS = 2
 GUIDED_SLACK = 0.05
+#: the share of the budget after which the best homogeneous plan tries no further micro-batch
+#: count (it usually needs a few hundredths of a second; batches needing hundreds of micro-batches
+#: took a second)
+HOMOGENEOUS_SHARE = 0.2
+#: seconds per group and per sequence that turning the chosen layout into a plan takes after the
+#: last phase (0.15 s for 4,096 micro-batches of one document each on a 2-core EPYC): the last
+#: phase ends that much before the deadline where it is more than the tenth of the budget left
+ASSEMBLY_S_PER_ITEM = 2e-5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,15 +192,17 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
-    the best homogeneous plan, the slot LP (a bound, and its placement rounded into a plan), the
-    fast search (to 42% of the budget), polishing (to 55%), the LP bound (to 81%), plans rounded
-    from its relaxation (to 84%), then the MILPs (``search="milp"``) on what is left, ending at 87%
-    of the budget, and the chosen plan touched up (the local search and exchanges) to 90%
-    (assembling the plan follows). Past a budget of 1 s the 0.07 s, 0.02 s and 0.01 s those phase
-    ends moved for the bound (:func:`_phase_ends`) stay seconds, so the shares tend to 62/79/83%."""
+    the best homogeneous plan (no further count tried past 20% of the budget), the slot LP (a
+    bound, and its placement rounded into a plan), the fast search (to 42% of the budget),
+    polishing (to 55%), the LP bound (to 81%), plans rounded from its relaxation (to 84%), then
+    the MILPs (``search="milp"``) on what is left, ending at 87% of the budget, and the chosen plan
+    touched up (the local search and exchanges) to 90%, or earlier where assembling the plan
+    (:data:`ASSEMBLY_S_PER_ITEM`) needs more than the rest. Past a budget of 1 s the 0.07 s,
+    0.02 s and 0.01 s those phase ends moved for the bound (:func:`_phase_ends`) stay seconds, so
+    the shares tend to 62/79/83%."""
     info: dict = {}
     candidates = []
-    homo = H.best_homogeneous(tab, tab.sizes)
+    homo = H.best_homogeneous(tab, tab.sizes, deadline=_phase(deadline, cfg, HOMOGENEOUS_SHARE))
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
     dcp = H.megatron_dcp(tab)  # memory-filling greedy: strong when memory sets the micro-batch count
@@ -255,7 +265,9 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
             tail = lambda m: max(bounds.tail(m), lp.more_than(m))  # noqa: E731
         bound = max(bound, milp_phase(tab, cfg, candidates, packer, tail, info,
                                       _phase(deadline, cfg, 0.87)))
-    window = _phase(deadline, cfg, 0.90)
+    best_layout = min(candidates, key=lambda c: c[0])[2]
+    items = sum(len(mb) for mb in best_layout) + len(tab.lens)
+    window = _phase(deadline, cfg, 0.90).capped(deadline.end - ASSEMBLY_S_PER_ITEM * items)
     info["runners_up"] = search_runners_up(candidates, tab, window)
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["touched_up"] = touch_up(layout, tab, window, packer)

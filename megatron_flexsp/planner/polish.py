@@ -176,7 +176,10 @@ def settle(layout: Layout, packer: LevelPacker, deadline) -> tuple[int, int]:
     (:meth:`LevelPacker.repack`), then the local search (:func:`improve_layout`), re-packed with
     their longest sequences opened first (:func:`~planner.reseed.reseed_micro_batches`; the local
     search again where that made one faster) and exchanges (:func:`balance_groups`), in place,
-    until ``deadline``. Returns (micro-batches re-packed, exchanges made)."""
+    until ``deadline`` (nothing once it has passed). Returns (micro-batches re-packed, exchanges
+    made)."""
+    if deadline.expired():  # ranking thousands of micro-batches for re-packing takes tenths of a second
+        return 0, 0
     repacked = packer.repack(layout, deadline)
     improve_layout(layout, packer.tab, deadline=deadline)
     if reseed_micro_batches(layout, packer, deadline):

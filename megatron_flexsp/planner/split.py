@@ -32,15 +32,17 @@ _SPLIT_LOOP_MAX = 16
 
 
 def common_level(packer: LevelPacker, items: np.ndarray, level: float, max_mbs: int,
-                 give_up_ms: float = math.inf) -> Layout | None:
+                 give_up_ms: float = math.inf, deadline=None) -> Layout | None:
     """Micro-batches stuffed one after another at ``max(level, hardest remaining fastest finish)``;
-    None when more than ``max_mbs`` would be needed, or once the micro-batches so far and a lower
-    bound on the rest reach ``give_up_ms``."""
+    None when more than ``max_mbs`` would be needed, once the micro-batches so far and a lower
+    bound on the rest reach ``give_up_ms``, or once ``deadline`` (with ``expired()``) has passed
+    (each micro-batch stuffs from all the sequences left: 4,096 documents that each fill a
+    micro-batch took 1.2 s)."""
     layout: Layout = []
     left = items
     done = 0.0
     while len(left):
-        if len(layout) >= max_mbs:
+        if len(layout) >= max_mbs or (deadline is not None and deadline.expired()):
             return None
         groups, left = packer.stuff(left, max(level, float(packer.critical[left].max())))
         if not groups:

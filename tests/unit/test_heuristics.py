@@ -58,3 +58,58 @@ def test_homogeneous_plans_exist_for_sequences_each_needing_a_micro_batch():
     plan = plan_step(lens, cm, strategy="batchada")
     assert len(plan.micro_batches) == 140
     assert sorted(i for mb in plan.micro_batches for g in mb.groups for i in g.seqs) == list(range(140))
+
+
+def _uniform_64k_at_64_gpus():
+    """4,096 documents of 1 to 65,535 tokens on 64 A100s: LPT onto groups of 16 finds no room for
+    dozens of micro-batch counts above the memory minimum."""
+    from megatron_flexsp.cost_model import CostModel, load_profile
+    from megatron_flexsp.model_spec import get_model
+    cm = CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=64, max_seq_len=196608)
+    return Tables(np.random.default_rng(7).integers(1, 65536, 4096), cm)
+
+
+def test_best_homogeneous_steps_over_counts_without_room(monkeypatch):
+    """The counts where LPT finds no room are stepped over and bisected back: the same count as
+    trying every count in turn (a scan written here), in fewer tries."""
+    tab = _uniform_64k_at_64_gpus()
+    d, m0 = 16, H.min_micro_batches(tab)
+    scan = {}
+    for m in range(m0, m0 + 80):
+        scan[m] = H._homogeneous_ms(tab, d, m, np.argsort(-tab.lens, kind="stable").tolist())
+    first = min(m for m, ms in scan.items() if np.isfinite(ms))
+    assert first - m0 >= 20  # the case this test is about
+    best_m, best_ms, misses = first, scan[first], 0
+    for m in range(first + 1, m0 + 80):  # every count in turn until three in a row do not improve
+        if scan[m] < best_ms - 1e-9:
+            best_m, best_ms, misses = m, scan[m], 0
+        else:
+            misses += 1
+            if misses > 3:
+                break
+    tries = []
+    real = H._homogeneous_ms
+    monkeypatch.setattr(H, "_homogeneous_ms", lambda *a: tries.append(a[2]) or real(*a))
+    layout, size = H.best_homogeneous(tab, [d])
+    assert size == d and len(layout) == best_m
+    assert abs(tab.step_ms(layout) - best_ms) <= 1e-6 * best_ms
+    assert len(tries) < first - m0
+
+
+def test_best_homogeneous_past_its_deadline_still_returns_a_plan(monkeypatch):
+    """An expired deadline stops the counts tried once one plan is found (the bisection back to
+    the fewest counts with room included), never before."""
+    from megatron_flexsp.planner.search import Deadline
+    tab = _uniform_64k_at_64_gpus()
+    tries = []
+    real = H._homogeneous_ms
+    monkeypatch.setattr(H, "_homogeneous_ms", lambda *a: tries.append(a[2]) or real(*a))
+    full = H.best_homogeneous(tab, tab.sizes)
+    n_full = len(tries)
+    tries.clear()
+    late = H.best_homogeneous(tab, tab.sizes, deadline=Deadline(0.0))
+    assert late is not None and full is not None
+    assert len(tries) < n_full
+    finite = [m for m in tries if np.isfinite(real(tab, late[1], m, np.argsort(-tab.lens, kind="stable").tolist()))]
+    assert len(late[0]) == min(finite)  # the fewest counts with room (bisected), nothing past them
+    assert tab.step_ms(late[0]) >= tab.step_ms(full[0]) - 1e-6
