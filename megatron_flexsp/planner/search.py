@@ -233,12 +233,15 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     tried: dict[float, float] = {}
     cap_mbs = 4 * m_min + 8
     own = deadline.capped(time.perf_counter() + deadline.left() / 2)
-    # a layout stops at the search's deadline, not at this share of it: one finished past its share
-    # was the plan of some Pareto-tailed steps, and the families after it take less
+    # a layout started within this share may finish past it, and past the search's deadline (one
+    # that did was the plan of a Pareto-tailed step; the phases after take less), but stops half
+    # the search's span after it (4,096 documents each filling a micro-batch took 1.2 s a layout)
+    late = Deadline(0.0)
+    late.start, late.end = deadline.start, deadline.end + 0.5 * (deadline.end - deadline.start)
     for level in level_grid(lo, hi, grid):
         if own.expired():
             break
-        layout = common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE), deadline=deadline)
+        layout = common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE), deadline=late)
         tried[level] = tab.step_ms(layout) if layout is not None else math.inf
         keep(layout, "level")
     if tried and math.isfinite(min(tried.values())):  # refine around the best grid point
@@ -248,7 +251,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
         for level in level_grid(a, b, 6)[1:-1]:
             if own.expired():
                 break
-            keep(common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE), deadline=deadline),
+            keep(common_level(packer, items, level, cap_mbs, give_up_ms=best * (1 + PRUNE), deadline=late),
                  "level")
     # 3. the first micro-batch stuffed at a level where the hardest sequences' sizes change, the
     #    rest packed groups first or split (two thirds of the time left, the rest for the
