@@ -78,6 +78,12 @@ class Deadline:
         sub.start, sub.end = self.start, min(self.end, end)
         return sub
 
+    def extended(self, seconds: float) -> "Deadline":
+        """The same clock ending ``seconds`` after this deadline."""
+        sub = Deadline(0.0)
+        sub.start, sub.end = self.start, self.end + seconds
+        return sub
+
 
 def level_grid(lo: float, hi: float, points: int) -> list[float]:
     """``points`` levels spaced geometrically from ``lo`` to ``hi``."""
@@ -236,8 +242,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     # a layout started within this share may finish past it, and past the search's deadline (one
     # that did was the plan of a Pareto-tailed step; the phases after take less), but stops half
     # the search's span after it (4,096 documents each filling a micro-batch took 1.2 s a layout)
-    late = Deadline(0.0)
-    late.start, late.end = deadline.start, deadline.end + 0.5 * (deadline.end - deadline.start)
+    late = deadline.extended(0.5 * (deadline.end - deadline.start))
     for level in level_grid(lo, hi, grid):
         if own.expired():
             break
