@@ -147,11 +147,11 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
 
 
 def packed_rest(tab: Tables, items: np.ndarray) -> Layout:
-    """The fastest plain groups-first packing of ``items`` (open groups of either of the two
-    smallest bin sizes, sequences at their smallest size; no level, not drained)."""
+    """The plain groups-first packing of ``items``: open groups of the smallest bin size, sequences
+    at their smallest size, no level, not drained (the second bin size was faster for 1 of 45
+    firsts of five memory-bound batches, and doubles the cost)."""
     order = longest_first(tab, items)
-    return min((pack_opening(tab, order, opening_sizes(tab, b, math.inf, order)) for b in bin_sizes(tab)[:2]),
-               key=tab.step_ms)
+    return pack_opening(tab, order, opening_sizes(tab, bin_sizes(tab)[0], math.inf, order))
 
 
 def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, best: Callable[[], float],
@@ -170,7 +170,7 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     memory fragments the rest: on lognormal documents of mean 4K, 512 a step at 64 GPUs, it ranked
     last but one the first whose full try is 5.5% faster than its own first choice's), and the
     full tries then take the firsts alternately in the order of those packed steps and of the
-    estimate (which ranks better on other batches). The pass has half the time
+    estimate (which ranks better on other batches). The pass has a third of the time
     left, and stops after its first packing where every first's would not fit in that. Levels
     that leave the same rest are tried once (the fastest first). Yields (family, layout) until
     ``deadline``."""
@@ -202,10 +202,10 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     if by_memory:  # first the rest packed groups first once each, undrained (milliseconds): the
         # estimate misses how memory fragments the rest; the full tries alternate between the two
         # orders
-        # (half the time left at most: where the first packing shows that every first's would not
-        # fit in that, the pass stops, since part of it would only cost time)
+        # (a third of the time left at most: where the first packing shows that every first's
+        # would not fit in that, the pass stops, since part of it would only cost time)
         packed: dict[float, float] = {}
-        start, share = time.perf_counter(), deadline.left() / 2
+        start, share = time.perf_counter(), deadline.left() / 3
         for estimate, t1, first, left, _ in firsts:
             if time.perf_counter() - start >= share or deadline.expired():
                 break
