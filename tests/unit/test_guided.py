@@ -185,6 +185,20 @@ def test_a_stuffed_first_micro_batch_then_the_rest_groups_first():
         assert simulate(plan, cm).memory_ok
 
 
+def _paper_step(corpus: str, global_batch: int) -> tuple[Tables, LevelPacker, np.ndarray]:
+    """The first batch of ``global_batch`` documents of a synthetic corpus on the paper's cluster
+    of 64 GPUs: its tables, level packer and sequence indices."""
+    from tests.unit.test_packing import _paper_cluster
+    from megatron_flexsp.sim.corpora import synthetic_lengths
+    from megatron_flexsp.sim.workloads import sample_batches
+
+    cm = _paper_cluster(64)
+    batch = sample_batches(synthetic_lengths(corpus, seed=1), global_batch=global_batch, num_batches=1,
+                           seed=0, max_seq_len=196608)[0][0]
+    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
+    return tab, LevelPacker(tab), np.arange(len(tab.lens))
+
+
 def test_stuffed_firsts_are_tried_in_full_in_the_order_of_their_packed_rest():
     """The stuffed family first packs the rest of every first micro-batch groups first once,
     undrained, in the order of the cheap estimate (the first plus the rest's simple bound), and
@@ -194,17 +208,9 @@ def test_stuffed_firsts_are_tried_in_full_in_the_order_of_their_packed_rest():
     one the first level (the 150K and 73K documents together on the group of 64) whose rest packs
     best; its full try is over 4% faster than that of the estimate's first choice, so a family
     given time for one full try finds it."""
-    from tests.unit.test_packing import _paper_cluster
     from megatron_flexsp.planner.search import groups_first_layouts, stuffed_layouts
-    from megatron_flexsp.sim.corpora import synthetic_lengths
-    from megatron_flexsp.sim.workloads import sample_batches
 
-    cm = _paper_cluster(64)
-    batch = sample_batches(synthetic_lengths("lognormal-4k", seed=1), global_batch=512, num_batches=1,
-                           seed=0, max_seq_len=196608)[0][0]
-    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
-    packer = LevelPacker(tab)
-    items = np.arange(len(tab.lens))
+    tab, packer, items = _paper_step("lognormal-4k", 512)
     yields = list(stuffed_layouts(packer, items, Deadline(30.0), lambda: math.inf,
                                   m_min=min_micro_batches(tab)))
     firsts = [sorted(i for g in layout[0] for i in g.seqs) for _, layout in yields]
@@ -226,17 +232,10 @@ def test_the_stuffing_level_where_the_rest_fits_one_micro_batch_fewer():
     fits two: it leaves at most that many tokens, and a level just below it leaves more. The
     search tries it, and its stuffed plans beat every stuffed plan from the grid of first levels
     alone (the rest split or packed groups first, as the search does)."""
-    from tests.unit.test_packing import _paper_cluster
     from megatron_flexsp.planner.search import first_levels, groups_first_layouts, split_pack
-    from megatron_flexsp.sim.corpora import synthetic_lengths
-    from megatron_flexsp.sim.workloads import sample_batches
 
-    cm = _paper_cluster(64)
-    batch = sample_batches(synthetic_lengths("pareto-1.3", seed=1), global_batch=2048, num_batches=4,
-                           seed=0, max_seq_len=196608)[0][0]
-    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
-    packer = LevelPacker(tab)
-    items = np.arange(len(tab.lens))
+    tab, packer, items = _paper_step("pareto-1.3", 2048)
+    cm = tab.cm
     m_min = min_micro_batches(tab)
     assert m_min == 3
     crit = float(packer.critical.max())
