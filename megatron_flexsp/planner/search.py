@@ -17,9 +17,7 @@ branches per micro-batch):
   level ``T1`` from a small grid above the longest sequence's fastest finish, or at the level where
   the rest first fits one micro-batch fewer than the memory minimum
   (:meth:`~megatron_flexsp.planner.level.LevelPacker.fill_level`), the rest split as below into
-  ``m - 1``, or packed by memory as in the first family (where memory sets the count). Levels
-  leaving the same rest are tried once; every first's rest is packed once, undrained, before any
-  is tried in full, alternately in the order of those packed steps and of a cheap estimate.
+  ``m - 1``, or packed by memory as in the first family (where memory sets the count).
 * **best fit** (:mod:`planner.best_fit`, only where the batch fits one micro-batch's memory): one
   micro-batch, longest sequences first into the group with the least time left at a common level,
   new groups of one base size; strong with few sequences per GPU.
@@ -146,14 +144,6 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
     return chosen
 
 
-def packed_rest(tab: Tables, items: np.ndarray) -> Layout:
-    """The plain groups-first packing of ``items``: open groups of the smallest bin size, sequences
-    at their smallest size, no level, not drained (the second bin size was faster for 1 of 45
-    firsts of five memory-bound batches, and doubles the cost)."""
-    order = longest_first(tab, items)
-    return pack_opening(tab, order, opening_sizes(tab, bin_sizes(tab)[0], math.inf, order))
-
-
 def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, best: Callable[[], float],
                     prefix_ms: float = 0.0, m_min: int = 0, by_memory: bool = True
                     ) -> Iterator[tuple[str, Layout]]:
@@ -165,15 +155,7 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     first micro-batch plus the rest's simple bound), skipped once that estimate plus ``prefix_ms``
     (micro-batches the caller keeps) reaches ``best()``, the step time to beat. ``m_min``: the
     memory minimum of micro-batches (of ``items``' tokens when not given); ``by_memory``: whether
-    to pack the rest groups first too. With ``by_memory``, a first pass packs every first's rest
-    groups first once, undrained (:func:`packed_rest`, milliseconds each; the estimate misses how
-    memory fragments the rest: on lognormal documents of mean 4K, 512 a step at 64 GPUs, it ranked
-    last but one the first whose full try is 5.5% faster than its own first choice's), and the
-    full tries then take the firsts alternately in the order of those packed steps and of the
-    estimate (which ranks better on other batches). The pass has a third of the time
-    left, and stops after its first packing where every first's would not fit in that. Levels
-    that leave the same rest are tried once (the fastest first). Yields (family, layout) until
-    ``deadline``."""
+    to pack the rest groups first too. Yields (family, layout) until ``deadline``."""
     tab = packer.tab
     n_gpus, f_min = packer.n_gpus, packer.f_min
     m_min = m_min or max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * n_gpus)))
@@ -186,7 +168,7 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
             fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top, deadline=deadline)
             if fits is not None:
                 levels.add(fits)
-    by_rest: dict[bytes, tuple] = {}  # levels that leave the same rest: only the fastest first
+    firsts = []
     for t1 in sorted(levels):
         if deadline.expired():
             break
@@ -195,29 +177,8 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
             continue
         m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
         estimate = prefix_ms + tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
-        key = np.sort(left).tobytes()
-        if key not in by_rest or estimate < by_rest[key][0]:
-            by_rest[key] = (estimate, t1, first, left, m_rest)
-    firsts = sorted(by_rest.values(), key=lambda f: f[:2])
-    if by_memory:  # first the rest packed groups first once each, undrained (milliseconds): the
-        # estimate misses how memory fragments the rest; the full tries alternate between the two
-        # orders
-        # (a third of the time left at most: where the first packing shows that every first's
-        # would not fit in that, the pass stops, since part of it would only cost time)
-        packed: dict[float, float] = {}
-        start, share = time.perf_counter(), deadline.left() / 3
-        for estimate, t1, first, left, _ in firsts:
-            if time.perf_counter() - start >= share or deadline.expired():
-                break
-            if estimate < best():
-                tail = packed_rest(tab, left)
-                packed[t1] = tab.mb_ms(first) + tab.step_ms(tail)
-                yield "stuffed+groups", [[tab.clone(g) for g in first]] + tail
-                if len(packed) == 1 and (time.perf_counter() - start) * len(firsts) > share:
-                    break
-        by_packed = sorted(firsts, key=lambda f: (packed.get(f[1], math.inf),) + f[:2])
-        firsts = list({f[1]: f for pair in zip(by_packed, firsts) for f in pair}.values())
-    for estimate, t1, first, left, m_rest in firsts:
+        firsts.append((estimate, t1, first, left, m_rest))
+    for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
         if deadline.expired():
             break
         if estimate >= best():

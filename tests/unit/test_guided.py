@@ -185,57 +185,23 @@ def test_a_stuffed_first_micro_batch_then_the_rest_groups_first():
         assert simulate(plan, cm).memory_ok
 
 
-def _paper_step(corpus: str, global_batch: int) -> tuple[Tables, LevelPacker, np.ndarray]:
-    """The first batch of ``global_batch`` documents of a synthetic corpus on the paper's cluster
-    of 64 GPUs: its tables, level packer and sequence indices."""
-    from tests.unit.test_packing import _paper_cluster
-    from megatron_flexsp.sim.corpora import synthetic_lengths
-    from megatron_flexsp.sim.workloads import sample_batches
-
-    cm = _paper_cluster(64)
-    batch = sample_batches(synthetic_lengths(corpus, seed=1), global_batch=global_batch, num_batches=1,
-                           seed=0, max_seq_len=196608)[0][0]
-    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
-    return tab, LevelPacker(tab), np.arange(len(tab.lens))
-
-
-def test_stuffed_firsts_are_tried_in_full_in_the_order_of_their_packed_rest():
-    """The stuffed family first packs the rest of every first micro-batch groups first once,
-    undrained, in the order of the cheap estimate (the first plus the rest's simple bound), and
-    then tries them in full (drained, and split) alternately in the order of those packed steps
-    and of the estimate, the packed order first. On
-    memory-bound lognormal documents (mean 4K, 512 a step, 64 GPUs) the estimate ranks last but
-    one the first level (the 150K and 73K documents together on the group of 64) whose rest packs
-    best; its full try is over 4% faster than that of the estimate's first choice, so a family
-    given time for one full try finds it."""
-    from megatron_flexsp.planner.search import groups_first_layouts, stuffed_layouts
-
-    tab, packer, items = _paper_step("lognormal-4k", 512)
-    yields = list(stuffed_layouts(packer, items, Deadline(30.0), lambda: math.inf,
-                                  m_min=min_micro_batches(tab)))
-    firsts = [sorted(i for g in layout[0] for i in g.seqs) for _, layout in yields]
-    n = next(j for j in range(1, len(firsts)) if firsts[j] in firsts[:j])  # the full tries begin
-    quick = [tab.step_ms(layout) for _, layout in yields[:n]]
-    assert n >= 4 and all(name == "stuffed+groups" for name, _ in yields[:n])
-    assert firsts[n] == firsts[int(np.argmin(quick))] != firsts[0]
-    full_first = min(tab.step_ms(layout) for layout, seqs in zip((l for _, l in yields[n:]), firsts[n:])
-                     if seqs == firsts[n])
-    left = np.setdiff1d(items, firsts[0])
-    first_mb = yields[0][1][0]
-    by_estimate = min(tab.mb_ms(first_mb) + tab.step_ms(t) for t in groups_first_layouts(tab, left, Deadline(30.0)))
-    assert full_first < 0.96 * by_estimate, (full_first, by_estimate)
-
-
 def test_the_stuffing_level_where_the_rest_fits_one_micro_batch_fewer():
     """Pareto-tailed documents (alpha 1.3, 2,048 a step) on 64 GPUs fill 2.76 micro-batches of
     memory. The fill level (bisection) is where the stuffed first micro-batch leaves a rest that
     fits two: it leaves at most that many tokens, and a level just below it leaves more. The
     search tries it, and its stuffed plans beat every stuffed plan from the grid of first levels
     alone (the rest split or packed groups first, as the search does)."""
+    from tests.unit.test_packing import _paper_cluster
     from megatron_flexsp.planner.search import first_levels, groups_first_layouts, split_pack
+    from megatron_flexsp.sim.corpora import synthetic_lengths
+    from megatron_flexsp.sim.workloads import sample_batches
 
-    tab, packer, items = _paper_step("pareto-1.3", 2048)
-    cm = tab.cm
+    cm = _paper_cluster(64)
+    batch = sample_batches(synthetic_lengths("pareto-1.3", seed=1), global_batch=2048, num_batches=4,
+                           seed=0, max_seq_len=196608)[0][0]
+    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
+    packer = LevelPacker(tab)
+    items = np.arange(len(tab.lens))
     m_min = min_micro_batches(tab)
     assert m_min == 3
     crit = float(packer.critical.max())
