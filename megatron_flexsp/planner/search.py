@@ -74,14 +74,15 @@ class Deadline:
     def capped(self, end: float) -> "Deadline":
         """The same clock ending at ``end`` (a ``time.perf_counter()`` value) or at this deadline,
         whichever comes first."""
-        sub = Deadline(0.0)
-        sub.start, sub.end = self.start, min(self.end, end)
-        return sub
+        return self._ending(min(self.end, end))
 
     def extended(self, seconds: float) -> "Deadline":
         """The same clock ending ``seconds`` after this deadline."""
+        return self._ending(self.end + seconds)
+
+    def _ending(self, end: float) -> "Deadline":
         sub = Deadline(0.0)
-        sub.start, sub.end = self.start, self.end + seconds
+        sub.start, sub.end = self.start, end
         return sub
 
 
