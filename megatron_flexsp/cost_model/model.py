@@ -297,10 +297,13 @@ class CostModel:
 
     def min_group_size(self, length: int) -> int:
         """Smallest allowed group size whose memory holds one sequence of ``length`` (0 if none)."""
-        for d in self.sizes:
-            if length <= self.capacity_tokens * d:
-                return d
-        return 0
+        return int(self.min_group_sizes(np.array([length]))[0])
+
+    def min_group_sizes(self, lengths: np.ndarray) -> np.ndarray:
+        """:meth:`min_group_size` of each of ``lengths`` (tokens, 1-D), as int64 (0: none holds it)."""
+        sizes = np.sort(np.array(self.sizes, dtype=np.int64))  # ascending, so capacities are too
+        k = np.searchsorted(self.capacity_tokens * sizes, np.asarray(lengths, dtype=np.int64), side="left")
+        return np.where(k < len(sizes), sizes[np.minimum(k, len(sizes) - 1)], 0).astype(np.int64)
 
     @property
     def max_tokens(self) -> int:

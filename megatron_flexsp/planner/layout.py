@@ -91,7 +91,7 @@ class Tables:
         self.time = {d: cm.seq_time_ms(self.lens, d) for d in self.sizes}
         self.fixed = {d: cm.group_fixed_ms(d) for d in self.sizes}
         self.cap = {d: cm.group_capacity_tokens(d) for d in self.sizes}
-        self.min_size = np.array([cm.min_group_size(int(s)) for s in self.lens], dtype=np.int64)
+        self.min_size = cm.min_group_sizes(self.lens)
         self._critical: np.ndarray | None = None
         # plain-Python copies for the per-sequence updates below (a NumPy scalar read costs more
         # than the rest of an update)
@@ -140,10 +140,17 @@ class Tables:
         g.tokens -= self._lens_l[i]
 
     def clone(self, g: Group) -> Group:
-        """A new group of the same size holding the same sequences."""
+        """A new group of the same size holding the same sequences (its load and tokens summed
+        afresh, in the same order as :meth:`add` would)."""
         c = Group(g.size)
+        times, lens = self._time_l[g.size], self._lens_l
+        load, tokens = 0.0, 0
         for i in g.seqs:
-            self.add(c, i)
+            i = int(i)
+            c.seqs.append(i)
+            load += times[i]
+            tokens += lens[i]
+        c.load_ms, c.tokens = load, tokens
         return c
 
     def clone_layout(self, layout: list[list[Group]]) -> list[list[Group]]:

@@ -42,7 +42,9 @@ class LevelPacker:
         self.n_gpus = tab.cm.cluster.num_gpus
         self.f_min = float(self.fixed.min())
         order = np.argsort(self.gpu_time, axis=0, kind="stable")       # cheapest size first
-        self.row_order = [[int(r) for r in order[:, i] if self.ok[r, i]] for i in range(len(tab.lens))]
+        fits = np.take_along_axis(self.ok, order, axis=0)                # [sizes, n], in that order
+        self.row_order = [[r for r, f in zip(rows, oks) if f]
+                          for rows, oks in zip(order.T.tolist(), fits.T.tolist())]
         # plain-Python copies for the per-item loops
         self.lens_l = tab.lens.tolist()
         self.total_l = self.total.T.tolist()

@@ -57,6 +57,17 @@ def test_paper_capacity_matches_reference_budget(paper_cm):
             assert cm.capacity_tokens == reference_cap(model, max_len), (model, max_len)
 
 
+def test_min_group_sizes_of_many_lengths_follow_the_one_length_rule(paper_cm):
+    cap = paper_cm.capacity_tokens
+    edges = np.array([cap * d + e for d in paper_cm.sizes for e in (-1, 0, 1)])
+    lengths = np.concatenate([edges, np.random.default_rng(0).integers(1, 70 * cap, 500), [1, 10**7]])
+    # the rule, written out: the first allowed size (ascending) whose memory holds the length
+    expected = [next((d for d in sorted(paper_cm.sizes) if n <= cap * d), 0) for n in lengths.tolist()]
+    got = paper_cm.min_group_sizes(lengths)
+    assert got.dtype == np.int64 and got.tolist() == expected
+    assert [paper_cm.min_group_size(int(n)) for n in lengths[:40]] == expected[:40]
+
+
 @pytest.mark.parametrize("model,max_len", [("gpt-7b", 196608), ("gpt-13b", 393216), ("gpt-30b", 196608)])
 def test_reference_mode_plans_respect_the_reference_cap(wiki_lengths, model, max_len):
     from megatron_flexsp.planner import plan_step

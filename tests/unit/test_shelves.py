@@ -24,6 +24,18 @@ def _grid(packer: LevelPacker, points: int = 8) -> list[float]:
     return level_grid(lo, hi, points)
 
 
+@pytest.mark.parametrize("corpus,gpus", [("bimodal", 64), ("pareto-1.1", 256)])
+def test_each_sequence_tries_the_sizes_holding_it_cheapest_first(corpus, gpus):
+    cm = _paper_cluster(gpus)
+    tab = Tables(_batch(corpus, 512, cm), cm)
+    packer = LevelPacker(tab)
+    assert tab.min_size.tolist() == [cm.min_group_size(int(n)) for n in tab.lens]
+    for i in range(len(tab.lens)):
+        holding = [d for d in tab.sizes if tab.lens[i] <= tab.cap[d]]
+        cheapest = sorted(holding, key=lambda d: (d * tab.time[d][i], tab.sizes.index(d)))
+        assert [tab.sizes[r] for r in packer.row_order[i]] == cheapest, i
+
+
 @pytest.mark.parametrize("corpus,batch,gpus", [("bimodal", 256, 64), ("lognormal-4k", 512, 64),
                                                ("pareto-1.1", 512, 64)])
 def test_shelf_layouts_are_valid_plans(corpus, batch, gpus):
