@@ -141,7 +141,8 @@ class Tables:
 
     def clone(self, g: Group) -> Group:
         """A new group of the same size holding the same sequences (its load and tokens summed
-        afresh, in the same order as :meth:`add` would)."""
+        afresh, in the same order as :meth:`add` would; not ``sum()``, whose compensated float
+        sum in Python 3.12 can differ from :meth:`add`'s in the last bit)."""
         c = Group(g.size)
         times, lens = self._time_l[g.size], self._lens_l
         load, tokens = 0.0, 0
