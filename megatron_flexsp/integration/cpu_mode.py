@@ -11,7 +11,8 @@ CPU, and nothing else:
    behind ``manual_seed`` / ``get_rng_state`` / ``set_rng_state``;
 3. Megatron patches (:mod:`patches.cpu`): a CPU RNG tracker in ``model_parallel_cuda_manual_seed``,
    ``initialize_megatron(allow_no_cuda=True)``, no dataset-helper compilation (the wheel ships the
-   built helpers), no fused-kernel load and no JIT warm-up.
+   built helpers), no fused-kernel load and no JIT warm-up; ``torch.compile`` compiles a function at
+   its first call, so importing Megatron does not import TorchDynamo for kernels CPU runs never call.
 
 It is explicit (``--flexsp-cpu on``) or automatic when CUDA is absent (``auto``), and refuses to turn
 on where CUDA is available, so it is never active on a GPU. :func:`disable_cpu_mode` undoes it all.

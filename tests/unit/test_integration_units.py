@@ -1,6 +1,7 @@
 """Integration pieces that need no launch: flags, option checks, settings, sampler, packing, patches."""
 
 import argparse
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -8,6 +9,7 @@ import torch
 import pytest
 
 pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parents[2]
 
 from megatron_flexsp.integration.args import FLEXSP_FLAGS, add_flexsp_args, load_settings  # noqa: E402
 from megatron_flexsp.integration.checks import check_megatron_args  # noqa: E402
@@ -262,6 +264,52 @@ def test_cpu_mode_maps_cuda_to_cpu_and_turns_off():
     assert not cpu_mode_active()
     with pytest.raises(RuntimeError):
         torch.zeros(1, device="cuda")
+
+
+def test_cpu_mode_compiles_megatron_kernels_at_their_first_call():
+    import torch
+
+    from patches.cpu import _make_lazy_compile
+
+    calls = []
+
+    def real_compile(model, **options):
+        calls.append(options)
+        return lambda *a, **k: ("compiled", model(*a, **k))
+
+    lazy = _make_lazy_compile(real_compile)
+
+    @lazy
+    def double(x):
+        return 2 * x
+
+    @lazy(fullgraph=True, backend="eager")
+    def triple(x):
+        return 3 * x
+
+    assert calls == [] and double.__name__ == "double"  # decorating compiles nothing
+    assert double(2) == ("compiled", 4) and double(3) == ("compiled", 6)
+    assert triple(1) == ("compiled", 3)
+    assert calls == [{}, {"fullgraph": True, "backend": "eager"}]  # once each, with its options
+    module = torch.nn.Linear(2, 2)
+    assert lazy(module)(torch.ones(2))[0] == "compiled" and len(calls) == 3  # modules at once
+
+
+def test_cpu_mode_imports_megatron_without_torchdynamo():
+    import subprocess
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("CPU mode is refused where CUDA exists")
+    code = ("import sys; from megatron_flexsp.integration.cpu_mode import enable_cpu_mode; "
+            "enable_cpu_mode(); import megatron.training.training; "
+            "from megatron.core.fusions.fused_bias_gelu import bias_gelu_impl; "
+            "print(sorted(m for m in ('torch._dynamo', 'torch._inductor') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout
 
 
 def test_shared_adam_step_is_a_real_bug_and_the_patch_unshares_it():
