@@ -13,7 +13,7 @@ Strategies (same harness, same cost model, same packing helpers):
   ``search="milp"`` (the default) the HiGHS MILPs of :mod:`exact` warm-started from the fast
   plan on the time left: they improve it or prove it, and their dual bound tightens the gap; the
   chosen plan is touched up (:func:`polish.touch_up`; the runners-up first get a local search,
-  :func:`polish.search_runners_up`) until 90% of the budget.
+  :func:`polish.search_runners_up`) until 95% of the budget.
 """
 
 from __future__ import annotations
@@ -196,7 +196,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     bound, and its placement rounded into a plan), the fast search (to 42% of the budget),
     polishing (to 55%), the LP bound (to 81%), plans rounded from its relaxation (to 84%), then
     the MILPs (``search="milp"``) on what is left, ending at 87% of the budget, and the chosen plan
-    touched up (the local search and exchanges) to 90%, or earlier where assembling the plan
+    touched up (the local search and exchanges) to 95%, or earlier where assembling the plan
     (:data:`ASSEMBLY_S_PER_ITEM`) needs more than the rest. Past a budget of 1 s the 0.07 s,
     0.02 s and 0.01 s those phase ends moved for the bound (:func:`_phase_ends`) stay seconds, so
     the shares tend to 62/79/83%."""
@@ -267,7 +267,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                                       _phase(deadline, cfg, 0.87)))
     best_layout = min(candidates, key=lambda c: c[0])[2]
     items = sum(len(mb) for mb in best_layout) + len(tab.lens)
-    window = _phase(deadline, cfg, 0.90).capped(deadline.end - ASSEMBLY_S_PER_ITEM * items)
+    window = _phase(deadline, cfg, 0.95).capped(deadline.end - ASSEMBLY_S_PER_ITEM * items)
     info["runners_up"] = search_runners_up(candidates, tab, window)
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["touched_up"] = touch_up(layout, tab, window, packer)
