@@ -131,7 +131,6 @@ def _make_lazy_compile(original):
                 compiled = original(model, **options)
             return compiled(*args, **kwargs)
 
-        first_call_compiles.__wrapped_by_flexsp_lazy_compile__ = True
         return first_call_compiles
     return compile
 
