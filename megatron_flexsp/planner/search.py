@@ -233,7 +233,9 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     # 1. shelves: each micro-batch at its own level, by both scores (a third of the time left)
     shelf = ShelfPlanner(packer)
     own = deadline.capped(time.perf_counter() + deadline.left() / 3)
-    for score in SCORES:
+    for k, score in enumerate(SCORES):
+        if k and own.expired():  # a layout past the deadline is one stuffing per micro-batch at the
+            break                # lowest base level: the common level family's first layout
         keep(shelf.layout(items, level_grid(lo, hi, grid), score, own, give_up_ms=best * (1 + PRUNE)), "shelves")
     # 2. common level: every micro-batch at one of the base levels (then refined around the best;
     #    half the time left)

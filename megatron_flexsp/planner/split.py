@@ -65,18 +65,24 @@ def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -
     mean_w, mean_s = max(float(w.sum()) / m, 1e-12), max(float(lens.sum()) / m, 1e-12)
     order = np.argsort(-np.maximum(w / mean_w, lens / mean_s), kind="stable")
     out: list[list[int]] = [[] for _ in range(m)]
-    if m > _SPLIT_LOOP_MAX:
-        load, tokens = np.zeros(m), np.zeros(m)
+    if m > _SPLIT_LOOP_MAX:  # in place, and the memory check only where a part could overflow
+        load, tokens, share, other = np.zeros(m), np.zeros(m), np.empty(m), np.empty(m)
+        fullest = 0.0  # the most tokens of any part
+        lens_l, w_l, items_l = lens.tolist(), w.tolist(), items.tolist()
         for k in order.tolist():
-            s_k, w_k = lens[k], w[k]
-            share = np.maximum((load + w_k) / mean_w, (tokens + s_k) / mean_s)
-            share[tokens + s_k > cap] = np.inf
-            j = int(np.argmin(share))
-            if not np.isfinite(share[j]):
+            s_k, w_k = lens_l[k], w_l[k]
+            np.divide(np.add(load, w_k, out=share), mean_w, out=share)
+            np.divide(np.add(tokens, s_k, out=other), mean_s, out=other)
+            np.maximum(share, other, out=share)
+            if fullest + s_k > cap:
+                share[tokens + s_k > cap] = np.inf
+            j = int(share.argmin())
+            if not math.isfinite(share[j]):
                 return None
-            out[j].append(int(items[k]))
+            out[j].append(items_l[k])
             load[j] += w_k
             tokens[j] += s_k
+            fullest = max(fullest, float(tokens[j]))
         return [np.array(x, dtype=np.int64) for x in out if x]
     # the same choices in plain Python (NumPy's per-call cost dominates for a few micro-batches)
     load_l, tokens_l = [0.0] * m, [0.0] * m
@@ -138,7 +144,11 @@ def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
 
 def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline,
                give_up_ms: float = math.inf) -> Layout | None:
-    """:func:`balanced_split` into ``m`` micro-batches, then :func:`pack_each`."""
+    """:func:`balanced_split` into ``m`` micro-batches, then :func:`pack_each`; None once
+    ``deadline`` has passed (the split alone takes 0.1 s for 4,096 documents in 20 parts, which
+    had run, and been thrown away, after the search's deadline)."""
+    if deadline.expired():
+        return None
     parts = balanced_split(packer.tab, items, m, packer.gpu_time_min)
     return pack_each(packer, parts, deadline, give_up_ms) if parts is not None else None
 

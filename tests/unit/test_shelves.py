@@ -114,7 +114,8 @@ def test_balanced_split_loops_agree(corpus, monkeypatch):
     tab = Tables(_batch(corpus, 1024, cm), cm)
     weight = LevelPacker(tab).gpu_time_min
     items = np.arange(len(tab.lens))
-    for m in (3, 6, 12):
+    m_min = math.ceil(int(tab.lens.sum()) / (cm.capacity_tokens * cm.cluster.num_gpus))
+    for m in (3, 6, 12, m_min, m_min + 1):  # at the memory minimum, parts fill to the token cap
         monkeypatch.setattr(split, "_SPLIT_LOOP_MAX", 64)
         plain = split.balanced_split(tab, items, m, weight)
         monkeypatch.setattr(split, "_SPLIT_LOOP_MAX", 0)
@@ -125,3 +126,21 @@ def test_balanced_split_loops_agree(corpus, monkeypatch):
         assert [p.tolist() for p in plain] == [v.tolist() for v in vector]
         assert sorted(i for p in plain for i in p.tolist()) == items.tolist()
         assert all(int(tab.lens[p].sum()) <= cm.capacity_tokens * cm.cluster.num_gpus for p in plain)
+
+
+def test_a_split_past_its_deadline_is_not_computed(monkeypatch):
+    """Once the deadline has passed, ``split_pack`` returns None before splitting (the split of
+    4,096 documents into 20 parts takes 0.1 s, which ran past the search's deadline for nothing)."""
+    from megatron_flexsp.planner import split
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("github", 512, cm), cm)
+    packer = LevelPacker(tab)
+    items = np.arange(len(tab.lens))
+    assert split.split_pack(packer, items, 3, Deadline()) is not None
+
+    def no_split(*args, **kwargs):
+        raise AssertionError("split after the deadline")
+
+    monkeypatch.setattr(split, "balanced_split", no_split)
+    assert split.split_pack(packer, items, 3, Deadline(0.0)) is None
