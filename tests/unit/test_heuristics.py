@@ -113,3 +113,57 @@ def test_best_homogeneous_past_its_deadline_still_returns_a_plan(monkeypatch):
     finite = [m for m in tries if np.isfinite(real(tab, late[1], m, np.argsort(-tab.lens, kind="stable").tolist()))]
     assert len(late[0]) == min(finite)  # the fewest counts with room (bisected), nothing past them
     assert tab.step_ms(late[0]) >= tab.step_ms(full[0]) - 1e-6
+
+
+def _dcp_reference(tab):
+    """Megatron-DCP's greedy written out plainly (quadratic): per micro-batch, the sequences left,
+    longest first, each opens a group of its smallest size on free ranks, else joins the group of
+    that size with room and the least ``sum(len^2)/size`` (the first made among equals), else
+    waits; then the critical group doubles while free ranks allow and that lowers its workload."""
+    lens, sizes = tab.lens.tolist(), tab.min_size.tolist()
+    n = tab.cm.cluster.num_gpus
+    left = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    layout = []
+    while left:
+        free, groups, waiting = n, [], []  # groups: [size, seqs, tokens, work]
+        for i in left:
+            d = sizes[i]
+            if free >= d:
+                groups.append([d, [i], lens[i], lens[i] ** 2 / d])
+                free -= d
+                continue
+            room = [g for g in groups if g[0] == d and g[2] + lens[i] <= tab.cap[d]]
+            if not room:
+                waiting.append(i)
+                continue
+            g = min(room, key=lambda g: g[3])
+            g[1].append(i)
+            g[2] += lens[i]
+            g[3] += lens[i] ** 2 / d
+        while True:
+            crit = max(groups, key=lambda g: g[3])
+            if 2 * crit[0] > free + crit[0] or 2 * crit[0] not in tab.cap:
+                break
+            others = max((g[3] for g in groups if g is not crit), default=0.0)
+            if max(others, crit[3] / 2) >= crit[3]:
+                break
+            free -= crit[0]
+            crit[0] *= 2
+            crit[3] /= 2
+        layout.append([(g[0], g[1]) for g in groups])
+        left = waiting
+    return layout
+
+
+def test_megatron_dcp_follows_its_rule_where_sequences_wait_for_later_micro_batches():
+    """The greedy's layouts equal the plain rule's, where sequences that each fill a micro-batch
+    leave the rest waiting (kept in place rather than copied per micro-batch) and where short
+    sequences wait among long ones."""
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
+    rng = np.random.default_rng(3)
+    for lens in (np.full(60, 1600),                                          # one per micro-batch
+                 np.concatenate([np.full(20, 1600), rng.integers(5, 900, 40)]),
+                 np.where(rng.random(80) < 0.3, 1500, rng.integers(150, 260, 80))):
+        tab = Tables(lens, cm)
+        got = [[(g.size, list(g.seqs)) for g in mb] for mb in H.megatron_dcp(tab)]
+        assert got == _dcp_reference(tab)
