@@ -75,6 +75,56 @@ def test_a_bucket_counts_no_more_groups_than_the_members_placed_need(seed):
         assert low * x + max(0.0, slope * x - rhs) >= need[members].sum() - 1e-9
 
 
+@pytest.mark.parametrize("seed", range(8))
+def test_each_of_several_buckets_in_a_row_counts_what_its_own_members_need(seed):
+    """Three buckets of long sequences in one row, one whose members all finish past the level:
+    each bucket's coefficients follow its own members (looked up for all buckets at once), with the
+    lightest slow work among every bucket's members and the row's singles."""
+    rng = np.random.default_rng(100 + seed)
+    fixed = 5.0
+    tails, works_all, lens_all = [], [], []
+    for b in range(3):
+        k = int(rng.integers(2, 7))
+        works = np.sort(rng.uniform(1.0, 60.0, size=k)) + (200.0 if b == 2 else 0.0)  # b=2: too slow
+        lens = rng.uniform(10.0, 100.0, size=k)
+        works_all.append(works)
+        lens_all.append(lens)
+        tails.append((b, works, works + fixed, lens, 10 + b))
+    single_work = float(rng.uniform(1.0, 60.0))
+    # from seed 6 on, no sequence that may run is over half a group's time (none counts)
+    factor = float(rng.uniform(0.6, 1.4)) if seed < 6 else 2.5
+    level = fixed + factor * float(max(w.max() for w in works_all[:2] + [np.array([single_work])]))
+    room = level - fixed
+    tokens = np.array([lens.sum() for lens in lens_all] + [50.0])
+    work = np.array([w[0] for w in works_all] + [single_work])
+    span = np.array([lens.max() for lens in lens_all] + [50.0])
+    scale = np.array([lens.sum() / lens.max() for lens in lens_all] + [1.0])
+    sl = CountRow(0, np.array([20, 21, 22, 23]), work, tokens, span, scale, tails)
+    h = _Recorder()
+    sl.count(h, level, room, 2.0 * work > room)
+    heavy_works = [float(w) for works in works_all for w in works if w + fixed <= level and 2 * w > room]
+    if 2 * single_work > room and single_work <= room:
+        heavy_works.append(single_work)
+    w_star = min(heavy_works) if heavy_works else None
+    for b, (works, lens) in enumerate(zip(works_all, lens_all)):
+        low = h.coef.get((0, 20 + b), 0.0)
+        slope, rhs = h.coef.get((10 + b, 20 + b), 0.0), h.upper.get(10 + b, math.inf)
+        members = np.flatnonzero(works + fixed <= level)
+        if b == 2:
+            assert len(members) == 0 and low == 0.0 and slope == 0.0 and rhs == math.inf
+            continue
+        need = _needed(works, room, w_star)
+        for r in range(len(members) + 1):
+            for subset in itertools.combinations(members.tolist(), r):
+                x = lens[list(subset)].sum() / tokens[b]
+                assert low * x + max(0.0, slope * x - rhs) <= need[list(subset)].sum() + 1e-9
+        if len(members):
+            x = lens[members].sum() / tokens[b]
+            assert low * x + max(0.0, slope * x - rhs) >= need[members].sum() - 1e-9
+            per_token = need[members] / lens[members]
+            assert low == pytest.approx(per_token.min() * tokens[b], rel=1e-12)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_no_group_counts_more_than_one_in_the_memory_pair_rows(seed):
     """Every set of sequences that fits a group's memory, singles and any members of two buckets
