@@ -192,8 +192,11 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
     (:func:`~planner.layout.improve_layout`), then exchanges in every micro-batch
     (:func:`balance_groups`), again and again while a round shortens the step, in place, until
     ``deadline``; once a round gains nothing, the micro-batches are re-packed with their longest
-    sequences opened first (:func:`~planner.reseed.reseed_micro_batches`, given ``packer``), and
-    the rounds go on if that made one faster. Each unlocks the other: exchanges lower a
+    sequences opened first (:func:`~planner.reseed.reseed_micro_batches`, given ``packer``), else
+    the slowest is split in two where that is faster (:func:`split_slowest`: the polishing's last
+    steps, which it often does not reach at 1 s; a CommonCrawl-like step of 4,096 documents at 64
+    GPUs came out at 13.43 s or 13.03 s from run to run as it did or did not), and the rounds go
+    on if either made the step faster. Each unlocks the other: exchanges lower a
     memory-full micro-batch's makespan, after which sequences may move into it, which opens new
     exchanges (a common-level layout of
     2,048 Pareto-tailed documents at 64 GPUs: 18.41 s after one round, 17.78 s after two). The
@@ -209,6 +212,8 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
         exchanged += sum(balance_groups(mb, tab, deadline) for mb in layout)
         if tab.step_ms(layout) >= before * (1 - 1e-9):
             if packer is not None and reseed_micro_batches(layout, packer, deadline):
+                continue
+            if packer is not None and split_slowest(layout, packer, deadline, slowest=1):
                 continue
             break
     return exchanged

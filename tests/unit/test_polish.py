@@ -139,6 +139,31 @@ def test_a_micro_batch_memory_makes_slow_is_split_in_two():
     validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="split"))
 
 
+def test_touch_up_splits_the_slowest_micro_batch_once_its_rounds_gain_nothing():
+    """The micro-batch above, touched up: once neither the local search nor the exchanges gain,
+    the slowest micro-batch is split in two where that is faster (as the polishing does, which at
+    1 s often ends before its splits), and the rounds go on; without a packer it stays whole."""
+    from megatron_flexsp.planner.polish import touch_up
+
+    cm = _paper_cluster(64)
+    rng = np.random.default_rng(2)
+    short = rng.integers(300, 3000, size=800)
+    room = int(0.97 * cm.capacity_tokens * 64) - 120_000
+    short = short[np.cumsum(short) <= room]
+    lens = np.r_[60_000, 60_000, short]
+    tab = Tables(lens, cm)
+    packer = LevelPacker(tab)
+    whole = [packer.min_level(np.arange(len(lens)))[1]]
+    before = tab.step_ms(whole)
+    alone = tab.clone_layout(whole)
+    touch_up(alone, tab, Deadline())
+    assert len(alone) == 1
+    touch_up(whole, tab, Deadline(), packer)
+    assert len(whole) == 2 and tab.step_ms(whole) < 0.97 * before
+    assert sorted(i for mb in whole for g in mb for i in g.seqs) == list(range(len(lens)))
+    validate_plan(to_step_plan(whole, tab, strategy="flexsp", method="touched up"))
+
+
 def test_touch_up_exchanges_in_every_micro_batch_and_respects_its_deadline():
     """The chosen plan's last pass: on two memory-full micro-batches of GitHub-like files packed at
     their smallest level, exchanges in both lower the step; nothing is lost or doubled, memory holds;
