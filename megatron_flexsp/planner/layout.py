@@ -237,6 +237,8 @@ def improve_layout(layout: list[list[Group]], tab: Tables, max_moves: int = 400,
         light = sorted(range(len(layout)), key=lambda b: (spans[b], b))[:targets]  # None: all
         best = None  # (gain, item, from_group, to_group, from_mb, to_mb)
         for _, a in order[:sources]:
+            if deadline is not None and deadline.expired():
+                break  # a round over thousands of micro-batches takes 0.1 s: the best move so far
             _, others_a, slow = heads[a]
             span_a, slow_end, slow_time = spans[a], tab.finish(slow), time_l[slow.size]
             moved = sorted(slow.seqs, key=lambda i: -slow_time[i])[:items_per_group]

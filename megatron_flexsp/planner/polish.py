@@ -131,8 +131,10 @@ def split_slowest(layout: Layout, packer: LevelPacker, deadline, slowest: int = 
     tab = packer.tab
     split = 0
     for rank in range(slowest):
+        if deadline.expired():
+            break
         order = sorted(range(len(layout)), key=lambda j: -tab.mb_ms(layout[j]))
-        if rank >= len(order) or deadline.expired():
+        if rank >= len(order):
             break
         a = order[rank]
         found = split_two(packer, mb_items(layout[a]), tab.mb_ms(layout[a]) * (1 - 1e-9), deadline)
@@ -209,7 +211,10 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
     while not deadline.expired():
         before = tab.step_ms(layout)
         improve_layout(layout, tab, deadline=deadline)
-        exchanged += sum(balance_groups(mb, tab, deadline) for mb in layout)
+        for mb in layout:  # (a pass over thousands of micro-batches takes tenths of a second)
+            if deadline.expired():
+                return exchanged
+            exchanged += balance_groups(mb, tab, deadline)
         if tab.step_ms(layout) >= before * (1 - 1e-9):
             if packer is not None and reseed_micro_batches(layout, packer, deadline):
                 continue
@@ -260,9 +265,12 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     the best has its tail re-planned (:func:`~planner.tail.replan_tail`, half the time left), its
     slowest micro-batches split in two (:func:`split_slowest`) and re-splits pairs
     (:func:`resplit_pairs`, the rest). Returns the polished layouts and
-    the best of those left (searched, or as it was); ``info`` records what each step did."""
+    the best of those left (searched, or as it was); ``info`` records what each step did. Past
+    ``deadline`` already, returns ``found`` as it is."""
     tab = packer.tab
-    start, span = time.perf_counter(), max(deadline.left(), 0.0)
+    if deadline.expired():  # the search ran past the polishing's end: nothing to polish in (each
+        return sorted(found, key=lambda c: c[0])  # step costs tenths of a second on layouts of
+    start, span = time.perf_counter(), max(deadline.left(), 0.0)  # thousands of micro-batches)
 
     def until(share: float):
         return deadline.capped(start + share * span)
