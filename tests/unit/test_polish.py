@@ -114,14 +114,9 @@ def test_exchanges_even_out_a_memory_bound_micro_batch():
     assert balance_groups(mb, tab) == 0 and tab.mb_ms(mb) == after
 
 
-def test_a_micro_batch_memory_makes_slow_is_split_in_two():
-    """Two 60K-token documents and enough short ones to fill one micro-batch's memory (3.86 s):
-    in one micro-batch the short ones that single GPUs cannot hold go to the long ones' groups,
-    which have no time for them; split in two, the long ones on groups of 32 and the short ones on
-    single GPUs, the step is 3.60 s. Every sequence kept once, and nothing to do past the
-    deadline."""
-    from megatron_flexsp.planner.polish import split_slowest
-
+def _slow_by_memory():
+    """Two 60K-token documents and enough short ones to fill one micro-batch's memory, packed in
+    one micro-batch at its smallest level (3.86 s): (lengths, tables, packer, layout)."""
     cm = _paper_cluster(64)
     rng = np.random.default_rng(2)
     short = rng.integers(300, 3000, size=800)
@@ -130,7 +125,18 @@ def test_a_micro_batch_memory_makes_slow_is_split_in_two():
     lens = np.r_[60_000, 60_000, short]
     tab = Tables(lens, cm)
     packer = LevelPacker(tab)
-    layout = [packer.min_level(np.arange(len(lens)))[1]]
+    return lens, tab, packer, [packer.min_level(np.arange(len(lens)))[1]]
+
+
+def test_a_micro_batch_memory_makes_slow_is_split_in_two():
+    """Two 60K-token documents and enough short ones to fill one micro-batch's memory (3.86 s):
+    in one micro-batch the short ones that single GPUs cannot hold go to the long ones' groups,
+    which have no time for them; split in two, the long ones on groups of 32 and the short ones on
+    single GPUs, the step is 3.60 s. Every sequence kept once, and nothing to do past the
+    deadline."""
+    from megatron_flexsp.planner.polish import split_slowest
+
+    lens, tab, packer, layout = _slow_by_memory()
     before = tab.step_ms(layout)
     assert split_slowest(layout, packer, Deadline(0.0)) == 0
     assert split_slowest(layout, packer, Deadline()) == 1 and len(layout) == 2
@@ -145,15 +151,7 @@ def test_touch_up_splits_the_slowest_micro_batch_once_its_rounds_gain_nothing():
     1 s often ends before its splits), and the rounds go on; without a packer it stays whole."""
     from megatron_flexsp.planner.polish import touch_up
 
-    cm = _paper_cluster(64)
-    rng = np.random.default_rng(2)
-    short = rng.integers(300, 3000, size=800)
-    room = int(0.97 * cm.capacity_tokens * 64) - 120_000
-    short = short[np.cumsum(short) <= room]
-    lens = np.r_[60_000, 60_000, short]
-    tab = Tables(lens, cm)
-    packer = LevelPacker(tab)
-    whole = [packer.min_level(np.arange(len(lens)))[1]]
+    lens, tab, packer, whole = _slow_by_memory()
     before = tab.step_ms(whole)
     alone = tab.clone_layout(whole)
     touch_up(alone, tab, Deadline())
