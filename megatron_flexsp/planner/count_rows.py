@@ -51,6 +51,7 @@ class CountRow:
             if min(len(t[1]) for t in tails) < 1:
                 raise ValueError("a tail bucket without members")
             self._pos = np.array([t[0] for t in tails], dtype=np.int64)
+            self._tokens = tokens[self._pos]  # each tail's column tokens
             self._works = np.concatenate([t[1] for t in tails])
             self._fin = np.concatenate([t[2] for t in tails])
             self._lens = np.concatenate([t[3] for t in tails]).astype(np.float64)
@@ -86,7 +87,7 @@ class CountRow:
         if not self.tails:
             self.update(h, self.row, coef, "slow")
             return
-        tokens = self.tokens[self._pos]
+        tokens = self._tokens
         if w_star is None:  # no slow sequence anywhere: none counts
             g = np.zeros(len(self._works))
         else:
