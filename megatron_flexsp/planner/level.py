@@ -237,7 +237,8 @@ class LevelPacker:
         return better
 
     def fill_level(self, items: np.ndarray, rest_tokens: int, lo: float, hi: float,
-                   rel_tol: float = 2e-3, deadline=None) -> float | None:
+                   rel_tol: float = 2e-3, deadline=None,
+                   stuffed: dict[float, tuple[list[Group], np.ndarray]] | None = None) -> float | None:
         """About the smallest level in ``[lo, hi]`` (ms) at which :meth:`stuff` leaves at most
         ``rest_tokens`` tokens of ``items`` out (bisection; a higher level stuffs more), or None
         when even ``hi`` leaves more. Where memory sets the micro-batch count, that is where the
@@ -245,17 +246,28 @@ class LevelPacker:
         GPUs (three micro-batches), the rest fit two from 2,420 ms on, which no level of the
         search's grid (2,228 then 2,814 ms) gave, and the plan went from 6.20 to 6.12 s. Past
         ``deadline`` (if given) the bisection stops at the lowest level found that leaves at most
-        ``rest_tokens``."""
-        def left_tokens(level: float) -> int:
-            return int(self.tab.lens[self.stuff(items, level)[1]].sum())
+        ``rest_tokens``. ``stuffed``: :meth:`stuff` of ``items`` by level, already made (they
+        narrow the bisection's start: most of its probes on 2,048-4,096 documents) and extended
+        with the levels probed here, the returned one among them."""
+        stuffed = {} if stuffed is None else stuffed
+        lens = self.tab.lens
 
-        if hi <= lo or left_tokens(hi) > rest_tokens:
+        def fits(level: float) -> bool:
+            if level not in stuffed:
+                stuffed[level] = self.stuff(items, level)
+            return int(lens[stuffed[level][1]].sum()) <= rest_tokens
+
+        if hi <= lo or not fits(hi):
             return None
-        if left_tokens(lo) <= rest_tokens:
+        if fits(lo):
             return lo
+        inside = sorted(level for level in stuffed if lo < level < hi)
+        ok = [level for level in inside if fits(level)]
+        hi = min(ok, default=hi)
+        lo = max((level for level in inside if level < hi and not fits(level)), default=lo)
         while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
             mid = 0.5 * (lo + hi)
-            if left_tokens(mid) <= rest_tokens:
+            if fits(mid):
                 hi = mid
             else:
                 lo = mid

@@ -49,7 +49,7 @@ from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, longes
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
-from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack
+from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack_or_give_up
 
 Layout = list[list[Group]]
 
@@ -162,18 +162,24 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     m_min = m_min or max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * n_gpus)))
     crit = float(packer.critical[items].max())
     top = max(crit, 2 * (f_min + float(packer.gpu_time_min[items].sum()) / (n_gpus * m_min)))
-    levels = set(first_levels(packer, items, crit, top))
+    stuffed = {}  # level -> packer.stuff(items, level)
+    for t1 in sorted(first_levels(packer, items, crit, top)):
+        if deadline.expired():
+            break
+        stuffed[t1] = packer.stuff(items, t1)
+    levels = set(stuffed)
     mb_tokens = tab.cm.capacity_tokens * n_gpus
-    if m_min > 1:  # where the rest first fits one micro-batch fewer
+    if m_min > 1:  # where the rest first fits one micro-batch fewer (bracketed by the levels above)
         for share in (1.0, 0.98):
-            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top, deadline=deadline)
+            if deadline.expired():
+                break
+            fits = packer.fill_level(items, int(share * (m_min - 1) * mb_tokens), crit, top,
+                                     deadline=deadline, stuffed=stuffed)
             if fits is not None:
                 levels.add(fits)
     firsts = []
     for t1 in sorted(levels):
-        if deadline.expired():
-            break
-        first, left = packer.stuff(items, t1)
+        first, left = stuffed[t1]
         if not first or not len(left):
             continue
         m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
@@ -187,11 +193,12 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
         tails = groups_first_layouts(tab, left, deadline) if by_memory else []
         for tail in tails:  # the rest packed by memory
             yield "stuffed+groups", [[tab.clone(g) for g in first]] + tail
-        for m in (m_rest, m_rest + 1):
-            rest = split_pack(packer, left, m, deadline,
-                              give_up_ms=best() * (1 + PRUNE) - prefix_ms - tab.mb_ms(first))
+        for m in (m_rest, m_rest + 1):  # one more only where memory refused the memory minimum
+            rest, gave_up = split_pack_or_give_up(packer, left, m, deadline,
+                                                  give_up_ms=best() * (1 + PRUNE) - prefix_ms - tab.mb_ms(first))
             if rest is not None:
                 yield "stuffed+split", [first] + rest
+            if rest is not None or gave_up:
                 break
 
 

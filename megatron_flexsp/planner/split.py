@@ -110,6 +110,13 @@ def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
     what it sheds goes into extra micro-batches at the common level of the others. None when the
     deadline passes, or once the parts packed so far and the others' lower bounds reach
     ``give_up_ms``."""
+    return _pack_each(packer, parts, deadline, give_up_ms)[0]
+
+
+def _pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
+               give_up_ms: float) -> tuple[Layout | None, bool]:
+    """:func:`pack_each`, and whether it gave up at ``give_up_ms`` (rather than for memory or the
+    deadline)."""
     layout: Layout = []
     spill: list[np.ndarray] = []
     cap = packer.tab.cm.capacity_tokens * packer.n_gpus
@@ -117,8 +124,10 @@ def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
     ahead = [packer.lower_bound(part, 1) for part in parts]
     done = 0.0
     for k, part in enumerate(parts):
-        if deadline.expired() or done + sum(ahead[k:]) >= give_up_ms:
-            return None
+        if deadline.expired():
+            return None, False
+        if done + sum(ahead[k:]) >= give_up_ms:
+            return None, True
         found = packer.min_level(part, rel_tol=1e-2)
         if found is None:
             order = part[np.argsort(-packer.critical[part], kind="stable")]
@@ -130,16 +139,16 @@ def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
                     spill.append(order[len(keep):])
                     break
             if found is None:
-                return None
+                return None, False
         layout.append(found[1])
         done += packer.tab.mb_ms(found[1])
     if spill:
         level = float(np.median([packer.tab.mb_ms(mb) for mb in layout])) if layout else 0.0
         extra = common_level(packer, np.concatenate(spill), level, 4 * len(parts) + 4)
         if extra is None:
-            return None
+            return None, False
         layout += extra
-    return layout
+    return layout, False
 
 
 def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline,
@@ -147,10 +156,17 @@ def split_pack(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadlin
     """:func:`balanced_split` into ``m`` micro-batches, then :func:`pack_each`; None once
     ``deadline`` has passed (the split alone takes 0.1 s for 4,096 documents in 20 parts, which
     had run, and been thrown away, after the search's deadline)."""
+    return split_pack_or_give_up(packer, items, m, deadline, give_up_ms)[0]
+
+
+def split_pack_or_give_up(packer: LevelPacker, items: np.ndarray, m: int, deadline: Deadline,
+                          give_up_ms: float = math.inf) -> tuple[Layout | None, bool]:
+    """:func:`split_pack`, and whether it was given up once sure to reach ``give_up_ms`` (False
+    where it packed, or stopped for memory or the deadline)."""
     if deadline.expired():
-        return None
+        return None, False
     parts = balanced_split(packer.tab, items, m, packer.gpu_time_min)
-    return pack_each(packer, parts, deadline, give_up_ms) if parts is not None else None
+    return _pack_each(packer, parts, deadline, give_up_ms) if parts is not None else (None, False)
 
 
 def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, around: int = 0,

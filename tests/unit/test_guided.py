@@ -192,7 +192,8 @@ def test_the_stuffing_level_where_the_rest_fits_one_micro_batch_fewer():
     search tries it, and its stuffed plans beat every stuffed plan from the grid of first levels
     alone (the rest split or packed groups first, as the search does)."""
     from tests.unit.test_packing import _paper_cluster
-    from megatron_flexsp.planner.search import first_levels, groups_first_layouts, split_pack
+    from megatron_flexsp.planner.search import first_levels, groups_first_layouts
+    from megatron_flexsp.planner.split import split_pack
     from megatron_flexsp.sim.corpora import synthetic_lengths
     from megatron_flexsp.sim.workloads import sample_batches
 
@@ -211,6 +212,21 @@ def test_the_stuffing_level_where_the_rest_fits_one_micro_batch_fewer():
     assert level is not None and crit < level < top
     assert int(tab.lens[packer.stuff(items, level)[1]].sum()) <= rest
     assert int(tab.lens[packer.stuff(items, level * (1 - 5e-3))[1]].sum()) > rest
+    # started from the grid's stuffings (as the search does), the bisection needs fewer probes, finds
+    # a level within its tolerance of that one, and leaves that level's stuffing in the cache
+    probes = []
+    stuff = packer.stuff
+    packer.stuff = lambda *a, **k: probes.append(a[1]) or stuff(*a, **k)
+    packer.fill_level(items, rest, crit, top)
+    plain = len(probes)
+    grid = {t1: stuff(items, t1) for t1 in first_levels(packer, items, crit, top)}
+    probes.clear()
+    cached = packer.fill_level(items, rest, crit, top, stuffed=grid)
+    packer.stuff = stuff
+    assert abs(cached - level) <= 4e-3 * level, (cached, level)
+    assert 0 < len(probes) < plain - 2, (len(probes), plain)
+    assert int(tab.lens[grid[cached][1]].sum()) <= rest
+    assert int(tab.lens[stuff(items, cached * (1 - 5e-3))[1]].sum()) > rest
 
     grid_best = math.inf
     for t1 in first_levels(packer, items, crit, top):

@@ -144,3 +144,25 @@ def test_a_split_past_its_deadline_is_not_computed(monkeypatch):
 
     monkeypatch.setattr(split, "balanced_split", no_split)
     assert split.split_pack(packer, items, 3, Deadline(0.0)) is None
+
+
+def test_a_split_says_whether_it_was_given_up_or_refused():
+    """``split_pack_or_give_up`` tells a split given up at ``give_up_ms`` (the stuffed family then
+    tries no further count: one more micro-batch never packed below the same mark on 34 such rests of
+    six hard cells) from one memory refuses, which one more micro-batch may hold."""
+    from megatron_flexsp.planner import split
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("github", 512, cm), cm)
+    packer = LevelPacker(tab)
+    items = np.arange(len(tab.lens))
+    layout, gave_up = split.split_pack_or_give_up(packer, items, 3, Deadline())
+    assert layout is not None and not gave_up
+    ms = tab.step_ms(layout)
+    assert split.split_pack_or_give_up(packer, items, 3, Deadline(), give_up_ms=0.5 * ms) == (None, True)
+    assert split.split_pack_or_give_up(packer, items, 3, Deadline(0.0), give_up_ms=0.5 * ms) == (None, False)
+    m_min = -(-int(tab.lens.sum()) // (cm.capacity_tokens * cm.cluster.num_gpus))
+    assert m_min >= 2
+    # below the memory minimum no split holds the tokens: refused, not given up
+    assert split.split_pack_or_give_up(packer, items, m_min - 1, Deadline(), give_up_ms=0.5 * ms) == (None, False)
+    assert split.split_pack_or_give_up(packer, items, 3, Deadline(), give_up_ms=2 * ms)[0] is not None
