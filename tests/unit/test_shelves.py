@@ -149,7 +149,7 @@ def test_a_split_past_its_deadline_is_not_computed(monkeypatch):
 def test_a_split_says_whether_it_was_given_up_or_refused():
     """``split_pack_or_give_up`` tells a split given up at ``give_up_ms`` (the stuffed family then
     tries no further count: one more micro-batch never packed below the same mark on 34 such rests of
-    six hard cells) from one memory refuses, which one more micro-batch may hold."""
+    twelve batches of six hard cells) from one memory refuses, which one more micro-batch may hold."""
     from megatron_flexsp.planner import split
 
     cm = _paper_cluster(64)
