@@ -261,10 +261,9 @@ class LevelPacker:
             return None
         if fits(lo):
             return lo
-        inside = sorted(level for level in stuffed if lo < level < hi)
-        ok = [level for level in inside if fits(level)]
-        hi = min(ok, default=hi)
-        lo = max((level for level in inside if level < hi and not fits(level)), default=lo)
+        inside = {level: fits(level) for level in list(stuffed) if lo < level < hi}
+        hi = min((level for level, ok in inside.items() if ok), default=hi)
+        lo = max((level for level, ok in inside.items() if level < hi and not ok), default=lo)
         while hi - lo > rel_tol * hi and not (deadline is not None and deadline.expired()):
             mid = 0.5 * (lo + hi)
             if fits(mid):

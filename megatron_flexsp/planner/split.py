@@ -104,19 +104,12 @@ def balanced_split(tab: Tables, items: np.ndarray, m: int, weight: np.ndarray) -
 
 
 def pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
-              give_up_ms: float = math.inf) -> Layout | None:
+              give_up_ms: float = math.inf) -> tuple[Layout | None, bool]:
     """Each part as one micro-batch at its smallest level. A part that does not pack (its groups'
     memory fragments) keeps its hardest sequences up to a shrinking share of the micro-batch's tokens;
-    what it sheds goes into extra micro-batches at the common level of the others. None when the
-    deadline passes, or once the parts packed so far and the others' lower bounds reach
-    ``give_up_ms``."""
-    return _pack_each(packer, parts, deadline, give_up_ms)[0]
-
-
-def _pack_each(packer: LevelPacker, parts: list[np.ndarray], deadline: Deadline,
-               give_up_ms: float) -> tuple[Layout | None, bool]:
-    """:func:`pack_each`, and whether it gave up at ``give_up_ms`` (rather than for memory or the
-    deadline)."""
+    what it sheds goes into extra micro-batches at the common level of the others. Returns the
+    layout (None when the deadline passes, memory refuses, or once the parts packed so far and the
+    others' lower bounds reach ``give_up_ms``) and whether it gave up at ``give_up_ms``."""
     layout: Layout = []
     spill: list[np.ndarray] = []
     cap = packer.tab.cm.capacity_tokens * packer.n_gpus
@@ -166,7 +159,7 @@ def split_pack_or_give_up(packer: LevelPacker, items: np.ndarray, m: int, deadli
     if deadline.expired():
         return None, False
     parts = balanced_split(packer.tab, items, m, packer.gpu_time_min)
-    return _pack_each(packer, parts, deadline, give_up_ms) if parts is not None else (None, False)
+    return pack_each(packer, parts, deadline, give_up_ms) if parts is not None else (None, False)
 
 
 def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, around: int = 0,
