@@ -342,8 +342,8 @@ def test_polishing_settles_every_family_while_its_share_lasts():
     raw_ms, fast = tab.step_ms(raw), tab.step_ms(searched)
 
     def found():  # the two best, a second layout of the first family, the common-level one
-        return [(fast, "a", copy.deepcopy(searched)), (fast, "b", copy.deepcopy(searched)),
-                (raw_ms, "a", copy.deepcopy(raw)), (raw_ms, "level", copy.deepcopy(raw))]
+        return [(fast, "a", copy.deepcopy(searched)), (fast, "b", _twins_swapped(tab, searched)),
+                (raw_ms, "a", _twins_swapped(tab, raw)), (raw_ms, "level", copy.deepcopy(raw))]
 
     info: dict = {}
     out = polish(found(), packer, Deadline(), info)
@@ -360,6 +360,43 @@ def test_polishing_settles_every_family_while_its_share_lasts():
     assert info == {}
     assert [(ms, name) for ms, name, _ in out] == [(ms, name) for ms, name, _ in found()]
     assert all(ms == tab.step_ms(layout) for ms, _, layout in out)
+
+
+def test_polishing_takes_each_layout_once():
+    """Two families may yield the same layout (and a family the same one twice): it is polished
+    once, under the first name it came with; layouts of equal step time that differ stay."""
+    import copy
+
+    from megatron_flexsp.planner.polish import distinct
+
+    tab, _, raw, searched = _common_level_and_searched()
+    raw_ms, fast = tab.step_ms(raw), tab.step_ms(searched)
+    shuffled = [list(reversed(mb)) for mb in reversed(copy.deepcopy(raw))]  # the same plan
+    other = _twins_swapped(tab, raw)  # another plan of the same step time
+    found = [(raw_ms, "level", raw), (fast, "a", searched), (tab.step_ms(shuffled), "shelves", shuffled),
+             (raw_ms, "level", copy.deepcopy(raw)), (raw_ms, "b", other), (fast, "b", copy.deepcopy(searched))]
+    out = distinct(found)
+    assert [(ms, name) for ms, name, _ in out] == [(fast, "a"), (raw_ms, "level"), (raw_ms, "b")]
+    assert out[1][2] is raw and out[2][2] is other
+
+
+def _twins_swapped(tab, layout):
+    """A copy of ``layout`` in which two sequences of the same length in two groups of the same
+    size of one micro-batch trade places: another plan, of the same step time and memory."""
+    import copy
+
+    out = copy.deepcopy(layout)
+    for mb in out:
+        seen = {}
+        for g in mb:
+            for k, i in enumerate(g.seqs):
+                twin = seen.get((g.size, int(tab.lens[i])))
+                if twin is not None and twin[0] is not g:
+                    h, j = twin
+                    g.seqs[k], h.seqs[j] = h.seqs[j], g.seqs[k]
+                    return out
+                seen[g.size, int(tab.lens[i])] = (g, k)
+    raise AssertionError("no two sequences of one length in two groups of one size")
 
 
 def _common_level_and_searched():
