@@ -12,7 +12,14 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   such a slow sequence's group has no time left to fill counted as used, a sequence over half a
   group's memory a group of its own beside those too long to share it (:func:`pair_rows`), a whole
   group per placed sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups'
-  GPU-time; a sequence may use size ``d`` there only if it fits its memory and finishes within
+  GPU-time; and, per set of the largest sizes ``S`` (the ``j`` largest, for every ``j``), the
+  *lifted* time row ``sum_{d in S} d (W_pd + n_pd (f_d - a_p)) <= N (T_p - a_p)`` (``W_pd``: the
+  work placed there): every group finishes within ``T_p``, so those groups' GPU-time is within
+  ``G T_p`` for their ``G <= N`` GPUs, and ``G T_p <= a_p G + N (T_p - a_p)`` as ``T_p >= a_p``
+  (McCormick). The work rows above give every group the box's upper end ``b_p``; this one charges
+  a makespan above ``a_p`` for it, so a wide box bounds nearly as well as a narrow one (at 1 s on
+  the paired benchmark's 56 batches the bound's gap fell by 0.12 points on average, on 17 of them
+  by over 0.05 and on one rose by that much); a sequence may use size ``d`` there only if it fits its memory and finishes within
   ``b_p`` (a bucket only with the token share of its members that do), and an individual
   sequence's own time is within ``T_p``;
 * the pooled micro-batches: the same per-size rows but the pair rows at their level (within
@@ -175,6 +182,7 @@ class _StepLP:
         # sequences over half a group's memory one per group; and singles whose work is over half
         # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
         self.time_rows: list[dict[int, int]] = [{} for _ in parts]
+        self.lift_rows: list[list[tuple[int, list[int]]]] = [[] for _ in parts]
         self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
         self.slow_rows: list[dict[int, CountRow]] = [{} for _ in parts]
         self.total_mem_rows: list[int] = []
@@ -221,6 +229,15 @@ class _StepLP:
                         mdl.rows.append((-math.inf, math.inf, [z], [-1.0]))
                     self.slow_rows[p][d] = CountRow(row, *map(np.array, zip(*(e[:5] for e in entries))),
                                                  tails)
+            if p < k:  # the lifted time rows (coefficients set per probe)
+                for j in range(len(sizes)):
+                    subset = [d for d in sizes[j:] if per[p][d][0]]
+                    if not subset:
+                        continue
+                    self.lift_rows[p].append((len(mdl.rows), subset))
+                    mdl.row(-math.inf, 0.0, [c for d in subset for c in per[p][d][0]] + [cnt[d] for d in subset]
+                            + [self.T[p]], [d * v for d in subset for v in per[p][d][1]] + [0.0] * len(subset)
+                            + [-float(n_gpus)])
             mdl.row(-math.inf, room[p] * n_gpus, list(cnt.values()), [float(d) for d in sizes])
             self.total_mem_rows.append(len(mdl.rows))
             mdl.row(-math.inf, room[p] * n_gpus * cm.capacity_tokens, *mem[p])
@@ -237,6 +254,8 @@ class _StepLP:
         #: a :class:`~planner.search.Deadline` no solve runs past (:meth:`_limit`)
         self.deadline = None
         self._level_set: list[float | None] = [None] * len(copies)
+        self._low_set: list[float | None] = [None] * k
+        self.n_gpus = n_gpus
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
         self._shares = [Shares([(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]])
@@ -280,8 +299,14 @@ class _StepLP:
             upper = (self._alone[p] <= level).astype(np.float64)
             self._shares[p].within(level, upper)  # a bucket: its members finishing within the level
             h.changeColsBounds(len(self._cols[p]), self._cols[p], np.zeros(len(upper)), upper)
-        for col, (a, b) in zip(self.T, box):
+        for p, (col, (a, b)) in enumerate(zip(self.T, box)):
             h.changeColBounds(col, a, b)
+            if a != self._low_set[p]:
+                self._low_set[p] = a
+                for row, subset in self.lift_rows[p]:
+                    for d in subset:
+                        h.changeCoeff(row, self.counts[p][d], d * (tab.fixed[d] - a))
+                    h.changeRowBounds(row, -math.inf, -float(self.n_gpus) * a)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
         status, runs = resolve(h, self._limit)

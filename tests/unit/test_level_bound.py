@@ -630,3 +630,55 @@ def test_lp_solves_stop_at_the_deadline_and_keep_what_was_proven(caplog):
             assert r.hints == ()
     assert caplog.text == ""
     assert lp_step_bound(tab, target_ms=opt, max_solves=2000, max_extra=2, hints=2).hints
+
+
+def _without_lifted_rows(lp):
+    """``lp`` with its lifted time rows switched off (free rows, never set again)."""
+    for rows in lp.lift_rows:
+        for row, _ in rows:
+            lp.h.changeRowBounds(row, -math.inf, math.inf)
+        rows.clear()
+    return lp
+
+
+def test_lifted_time_rows_bound_wide_boxes():
+    """The lifted time rows charge a makespan above the box's low end for the time its groups use
+    up to the high end: on tiny batches that fit one micro-batch no box around the brute-force
+    optimum is bounded above it; and on a memory-bound lognormal step at 64 GPUs wide boxes are
+    bounded higher with them than without (the LP without them, written here by freeing those
+    rows: 16,023 ms against 15,791 ms with the slowest makespan from 1.5x the hardest sequence's
+    fastest finish), never lower."""
+    from megatron_flexsp.planner.bound import bound_units
+    from megatron_flexsp.planner.heuristics import min_micro_batches
+    from megatron_flexsp.planner.step_lp import _StepLP
+    from tests.unit.test_packing import _batch, _paper_cluster
+    from tests.unit.test_planner import brute_force_step_ms
+
+    cm = tiny_cost_model()
+    rng = np.random.default_rng(11)
+    checked = 0
+    for _ in range(12):
+        lens = tuple(int(x) for x in rng.integers(20, 190, int(rng.integers(2, 6))))
+        tab = Tables(np.asarray(lens), cm)
+        opt = brute_force_step_ms(lens, cm, count=1)
+        if not math.isfinite(opt):
+            continue
+        lp = _StepLP(tab, 1, bound_units(tab), k=1)
+        for lo, hi in ((0.5, 1.0), (0.9, 1.0), (1.0, 2.0), (0.6, 3.0)):
+            box = ((float(tab.critical_ms().max()) * lo if lo < 1 else opt, opt * hi),)
+            if box[0][0] <= opt <= box[0][1]:
+                assert lp.solve(box, 0.0) <= opt * (1 + 1e-6), (lens, box, opt)
+                checked += 1
+    assert checked >= 10
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("lognormal-4k", 512, cm), cm)
+    crit, m, units = float(tab.critical_ms().max()), min_micro_batches(tab), bound_units(tab)
+    lifted, plain = _StepLP(tab, m, units, k=2), _without_lifted_rows(_StepLP(tab, m, units, k=2))
+    raised = 0
+    for low, width in ((1.0, 0.25), (1.0, 1.0), (1.5, 0.25), (1.5, 1.0)):
+        box = ((low * crit, low * crit * (1 + width)), (0.5 * low * crit, low * crit * (1 + width)))
+        with_rows, without = lifted.solve(box, 3 * m * crit), plain.solve(box, 3 * m * crit)
+        assert math.isfinite(without) and with_rows >= without * (1 - 1e-9)
+        raised += with_rows > without * 1.002
+    assert raised >= 3
