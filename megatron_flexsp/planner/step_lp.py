@@ -17,11 +17,12 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   work placed there): every group finishes within ``T_p``, so those groups' GPU-time is within
   ``G T_p`` for their ``G <= N`` GPUs, and ``G T_p <= a_p G + N (T_p - a_p)`` as ``T_p >= a_p``
   (McCormick). The work rows above give every group the box's upper end ``b_p``; this one charges
-  a makespan above ``a_p`` for it, so a wide box bounds nearly as well as a narrow one (at 1 s on
-  the paired benchmark's 56 batches the bound's gap fell by 0.12 points on average, on 17 of them
-  by over 0.05 and on one rose by that much); a sequence may use size ``d`` there only if it fits its memory and finishes within
-  ``b_p`` (a bucket only with the token share of its members that do), and an individual
-  sequence's own time is within ``T_p``;
+  a makespan above ``a_p`` for it, so a wide box bounds nearly as well as a narrow one (in the
+  0.26 s a 1 s budget gives the bound, on the paired benchmark's 56 batches, the gap fell by 0.12
+  points on average, on 17 of them by over 0.05 and on one rose by that much); a sequence may
+  use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only
+  with the token share of its members that do), and an individual sequence's own time is within
+  ``T_p``;
 * the pooled micro-batches: the same per-size rows but the pair rows at their level (within
   ``b_k`` and within ``R``'s cap less the other pooled micro-batches' fixed costs), GPU-time
   within ``N (R - (m-k) f_min)``, tokens within ``(m-k) N C``, and each individual sequence's
