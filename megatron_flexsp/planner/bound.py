@@ -362,8 +362,12 @@ class _Counts:
         counts = {c: s.bound for c, s in self.found.items()} | self.waiting
         rest = min(self.beyond, self.target, counts.pop(self.last, math.inf))  # with the open-ended search's
         if prev is not None:
+            # per count the higher of the two passes' bounds, each pass's rest standing for the
+            # counts it does not name: a count this pass dropped when out of time before building
+            # its search keeps what the first pass proved (taking the first pass's rest for it, which
+            # covered only the other counts, had put a bound 0.8% above the converged one)
             before = dict(prev.by_count)
-            counts = {c: max(v, before.get(c, 0.0)) for c, v in counts.items()}
+            counts = {c: max(counts.get(c, rest), before.get(c, prev.rest_ms)) for c in set(counts) | set(before)}
             rest = max(rest, prev.rest_ms)
         return BoundResult(self.m_min + self.max_extra, min(list(counts.values()) + [rest]), solves,
                            sum(len(s.heap) for s in self.found.values()),

@@ -18,8 +18,8 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   ``G T_p`` for their ``G <= N`` GPUs, and ``G T_p <= a_p G + N (T_p - a_p)`` as ``T_p >= a_p``
   (McCormick). The work rows above give every group the box's upper end ``b_p``; this one charges
   a makespan above ``a_p`` for it, so a wide box bounds nearly as well as a narrow one (in the
-  0.26 s a 1 s budget gives the bound, on the paired benchmark's 56 batches, the gap fell by 0.12
-  points on average, on 17 of them by over 0.05 and on one rose by that much); a sequence may
+  0.26 s a 1 s budget gives the bound, on the paired benchmark's 56 batches, the gap fell by 0.15
+  points on average and by over 0.05 on 21 of them; it rose on none); a sequence may
   use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only
   with the token share of its members that do), and an individual sequence's own time is within
   ``T_p``;
@@ -236,9 +236,11 @@ class _StepLP:
                     if not subset:
                         continue
                     self.lift_rows[p].append((len(mdl.rows), subset))
+                    # divided by N: coefficients on the work rows' scale (at 1,024 GPUs, unscaled,
+                    # a hot start ended 'Unknown')
                     mdl.row(-math.inf, 0.0, [c for d in subset for c in per[p][d][0]] + [cnt[d] for d in subset]
-                            + [self.T[p]], [d * v for d in subset for v in per[p][d][1]] + [0.0] * len(subset)
-                            + [-float(n_gpus)])
+                            + [self.T[p]], [d / n_gpus * v for d in subset for v in per[p][d][1]]
+                            + [0.0] * len(subset) + [-1.0])
             mdl.row(-math.inf, room[p] * n_gpus, list(cnt.values()), [float(d) for d in sizes])
             self.total_mem_rows.append(len(mdl.rows))
             mdl.row(-math.inf, room[p] * n_gpus * cm.capacity_tokens, *mem[p])
@@ -306,8 +308,8 @@ class _StepLP:
                 self._low_set[p] = a
                 for row, subset in self.lift_rows[p]:
                     for d in subset:
-                        h.changeCoeff(row, self.counts[p][d], d * (tab.fixed[d] - a))
-                    h.changeRowBounds(row, -math.inf, -float(self.n_gpus) * a)
+                        h.changeCoeff(row, self.counts[p][d], d / self.n_gpus * (tab.fixed[d] - a))
+                    h.changeRowBounds(row, -math.inf, -a)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
         status, runs = resolve(h, self._limit)

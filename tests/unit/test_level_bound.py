@@ -682,3 +682,35 @@ def test_lifted_time_rows_bound_wide_boxes():
         assert math.isfinite(without) and with_rows >= without * (1 - 1e-9)
         raised += with_rows > without * 1.002
     assert raised >= 3
+
+
+def test_a_second_pass_out_of_time_at_its_first_build_keeps_the_first_pass_bounds(monkeypatch):
+    """When the first pass has converged and the second (more units placed one by one) runs out
+    of time building its first count's search, that count keeps what the first pass proved: the
+    result is the first pass's bound, not the first pass's bound for the other counts (which is
+    the target here, every larger count's floor being above it)."""
+    from megatron_flexsp.planner import bound as B
+    from megatron_flexsp.planner.step_lp import SolverOutOfTime
+    from tests.unit.test_packing import _batch, _paper_cluster
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("lognormal-1k", 256, cm), cm)
+    small = B.bound_units(tab)
+    assert len(B.bound_units(tab, **B.WIDE_UNITS)) > len(small)  # two passes
+    target = 1.3 * step_floors(tab).at_least(1)
+    with monkeypatch.context() as m:
+        m.setattr(B, "WIDE_UNITS", {"num_buckets": 8, "max_single": 12})  # one pass: the first alone
+        first = lp_step_bound(tab, target_ms=target, max_solves=5000)
+    assert first.bound_ms < target * 0.99 and first.by_count
+
+    built = B._Counts._new
+
+    def out_of_time_in_the_second_pass(self, m, **kw):
+        if len(self.units) > len(small):
+            raise SolverOutOfTime("LP bound: out of time (test)")
+        return built(self, m, **kw)
+
+    monkeypatch.setattr(B._Counts, "_new", out_of_time_in_the_second_pass)
+    both = lp_step_bound(tab, target_ms=target, max_solves=5000)
+    assert both.bound_ms == pytest.approx(first.bound_ms, rel=1e-9)
+    assert dict(both.by_count) == pytest.approx(dict(first.by_count), rel=1e-9)
