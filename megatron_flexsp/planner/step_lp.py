@@ -19,7 +19,7 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   (McCormick). The work rows above give every group the box's upper end ``b_p``; this one charges
   a makespan above ``a_p`` for it, so a wide box bounds nearly as well as a narrow one (in the
   0.26 s a 1 s budget gives the bound, on the paired benchmark's 56 batches, the gap fell by 0.15
-  points on average and by over 0.05 on 21 of them; it rose on none); a sequence may
+  points on average and by over 0.05 on 20 of them; it rose on none); a sequence may
   use size ``d`` there only if it fits its memory and finishes within ``b_p`` (a bucket only
   with the token share of its members that do), and an individual sequence's own time is within
   ``T_p``;
