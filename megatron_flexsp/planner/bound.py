@@ -365,7 +365,7 @@ class _Counts:
             # per count the higher of the two passes' bounds, each pass's rest standing for the
             # counts it does not name: a count this pass dropped when out of time before building
             # its search keeps what the first pass proved (taking the first pass's rest for it, which
-            # covered only the other counts, had put a bound 0.8% above the converged one)
+            # covered only the other counts, had put a bound 0.7% above the converged one)
             before = dict(prev.by_count)
             counts = {c: max(counts.get(c, rest), before.get(c, prev.rest_ms)) for c in set(counts) | set(before)}
             rest = max(rest, prev.rest_ms)
