@@ -183,7 +183,8 @@ class _StepLP:
         # sequences over half a group's memory one per group; and singles whose work is over half
         # of a group's time within the level one per group (coefficients 0 or 1 set per probe)
         self.time_rows: list[dict[int, int]] = [{} for _ in parts]
-        self.lift_rows: list[list[tuple[int, list[int]]]] = [[] for _ in parts]
+        # per explicit part: (row, [(group-count column, d / N, f_d) per size of its set])
+        self.lift_rows: list[list[tuple[int, list[tuple[int, float, float]]]]] = [[] for _ in parts]
         self.mem_rows: list[dict[int, int]] = [{} for _ in parts]
         self.slow_rows: list[dict[int, CountRow]] = [{} for _ in parts]
         self.total_mem_rows: list[int] = []
@@ -231,11 +232,14 @@ class _StepLP:
                     self.slow_rows[p][d] = CountRow(row, *map(np.array, zip(*(e[:5] for e in entries))),
                                                  tails)
             if p < k:  # the lifted time rows (coefficients set per probe)
+                last: list[int] = []
                 for j in range(len(sizes)):
                     subset = [d for d in sizes[j:] if per[p][d][0]]
-                    if not subset:
+                    if not subset or subset == last:  # a size with nothing placed adds no new row
                         continue
-                    self.lift_rows[p].append((len(mdl.rows), subset))
+                    last = subset
+                    self.lift_rows[p].append((len(mdl.rows), [(cnt[d], d / n_gpus, float(tab.fixed[d]))
+                                                              for d in subset]))
                     # divided by N: coefficients on the work rows' scale (at 1,024 GPUs, unscaled,
                     # a hot start ended 'Unknown')
                     mdl.row(-math.inf, 0.0, [c for d in subset for c in per[p][d][0]] + [cnt[d] for d in subset]
@@ -258,7 +262,6 @@ class _StepLP:
         self.deadline = None
         self._level_set: list[float | None] = [None] * len(copies)
         self._low_set: list[float | None] = [None] * k
-        self.n_gpus = n_gpus
         self._cols = [np.array(list(a), dtype=np.int32) for a in alone]
         self._alone = [np.array(list(a.values())) for a in alone]
         self._shares = [Shares([(pos, *shares[p][c]) for pos, c in enumerate(a) if c in shares[p]])
@@ -306,9 +309,9 @@ class _StepLP:
             h.changeColBounds(col, a, b)
             if a != self._low_set[p]:
                 self._low_set[p] = a
-                for row, subset in self.lift_rows[p]:
-                    for d in subset:
-                        h.changeCoeff(row, self.counts[p][d], d / self.n_gpus * (tab.fixed[d] - a))
+                for row, terms in self.lift_rows[p]:
+                    for col, share, fixed in terms:
+                        h.changeCoeff(row, col, share * (fixed - a))
                     h.changeRowBounds(row, -math.inf, -a)
         if self.pooled:
             h.changeColBounds(self.R, r_lo, r_hi)
