@@ -15,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
 from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
-from megatron_flexsp.planner.bucketing import make_buckets
+from megatron_flexsp.planner.bucketing import WIDE_UNITS, bound_units
 from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.step_lp import Box, Hint, SolverOutOfTime, SolverTrouble, _StepLP
 from megatron_flexsp.utils.logging import get_logger
@@ -29,6 +30,10 @@ from megatron_flexsp.utils.logging import get_logger
 __all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
 
 log = get_logger(__name__)
+
+#: :func:`lp_step_bound` calls its ``refloor`` once its searches have taken this many LP solves
+#: without raising the lowest bound (on 64-GPU steps where they raise it, they had within 12-21)
+REFLOOR_AFTER = 24
 
 
 @dataclass(frozen=True)
@@ -205,7 +210,9 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                   rel_tol: float = 0.002, deadline=None, max_explicit: int = 3,
                   switch_after: int = 120, count_floor: dict[int, float] | None = None,
                   beyond_floor: float = 0.0, hints: int = 0, refine_above: int = 0,
-                  floors: StepFloors | None = None, hint_deadline=None) -> BoundResult:
+                  floors: StepFloors | None = None, hint_deadline=None,
+                  refloor: Callable[[], tuple[dict[int, float], float] | None] | None = None,
+                  refloor_after: int = REFLOOR_AFTER) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
     One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
@@ -232,6 +239,11 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     it are refined (for
     :meth:`BoundResult.more_than`: another proof, such as the step MILP's, covers those counts).
     ``floors``: :func:`~planner.floors.step_floors` of ``tab`` when the caller has them.
+    ``refloor``: called at most once, when the searches have taken ``refloor_after`` LP solves
+    and none has raised the lowest bound above where it started (the floors bind, as on steps of
+    many micro-batches, whose slowest few explicit micro-batches say little): it returns
+    floors proven another way (per count, and for every count past those; e.g. a finer slot
+    bound) or None, and the searches go on above them.
     """
     floors = floors or step_floors(tab)
     proven = dict(count_floor or {})
@@ -244,7 +256,11 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                       deadline=deadline, max_explicit=max_explicit, switch_after=switch_after,
                       count_floor=proven, beyond_floor=beyond_floor, hints=hints,
                       refine_above=refine_above, floors=floors, start=start)
+        if refloor is not None:
+            run.refloor, run.refloor_after = refloor, refloor_after
         converged = run.search(max_solves - solves)
+        if run.refloor is None:
+            refloor = None  # called (once)
         solves += run.solves
         if run.found:
             found = run.found
@@ -297,6 +313,9 @@ class _Counts:
             self.waiting[m] = max(simple(m), count_floor.get(m, 0.0) if m < last else beyond_floor)
         self.spent = 0  # solves of searches replaced by ones with more explicit micro-batches
         self.settled: set[int] = set()  # counts up to ``refine_above`` whose search converged
+        # :func:`lp_step_bound`'s ``refloor`` (None once called) and the solves before it may be
+        self.refloor: Callable[[], tuple[dict[int, float], float] | None] | None = None
+        self.refloor_after = 0
 
     @property
     def solves(self) -> int:
@@ -315,9 +334,14 @@ class _Counts:
         """Refine the lowest count until ``max_solves``, the deadline, or the bound cannot rise;
         True when it stopped because no search can raise it further (converged)."""
         found, crit, last = self.found, float(self.tab.critical_ms().max()), self.last
+        first_low = self._lowest()[1] if self.waiting or found else math.inf
         try:
             while (len(found) > len(self.settled) or self.waiting) and not _late(self.deadline):
                 m, value = self._lowest()
+                if (self.refloor is not None and self.solves >= self.refloor_after
+                        and value <= first_low * (1 + 1e-9)):
+                    self._raise_floors()
+                    continue
                 # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
                 if value >= self.target * (1 - self.rel_tol) or (value >= self.beyond and not self.hints):
                     return False
@@ -357,6 +381,17 @@ class _Counts:
             return False
         return not _late(self.deadline)
 
+    def _raise_floors(self) -> None:
+        """Call :attr:`refloor` (once) and raise every count's floor to what it returns."""
+        got, self.refloor = self.refloor(), None
+        if got is None:
+            return
+        by_count, beyond = got
+        for c in self.waiting:  # ``beyond`` covers the open-ended count, every count from it on
+            self.waiting[c] = max(self.waiting[c], by_count.get(c, 0.0) if c < self.last else beyond)
+        for c, s in self.found.items():
+            s.floor = max(s.floor, by_count.get(c, 0.0) if c < self.last else beyond)
+
     def result(self, solves: int, prev: BoundResult | None = None) -> BoundResult:
         """The bounds proven (each count's at least ``prev``'s, from an earlier pass)."""
         counts = {c: s.bound for c, s in self.found.items()} | self.waiting
@@ -372,28 +407,3 @@ class _Counts:
         return BoundResult(self.m_min + self.max_extra, min(list(counts.values()) + [rest]), solves,
                            sum(len(s.heap) for s in self.found.values()),
                            by_count=tuple(sorted(counts.items())), rest_ms=rest)
-
-
-def bound_units(tab: Tables, *, num_buckets: int = 8, max_single: int = 12) -> list[tuple[np.ndarray, bool]]:
-    """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
-    the others as length buckets (cut at every size's memory capacity). The defaults keep the LP
-    small (about 630 rows at 64 GPUs, twice the solves of :data:`WIDE_UNITS` in the same time)."""
-    order = np.argsort(-tab.critical_ms(), kind="stable")
-    singles = [int(i) for i in order[:max_single]]
-    rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
-    cm = tab.cm
-    buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
-                           a_lin=cm.coeffs.a_lin_ms_per_token,
-                           cuts=_heavy_cuts(tab))
-    return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
-
-
-#: :func:`bound_units` of :func:`lp_step_bound`'s second pass: more sequences placed one by one
-#: see which long ones cannot share a group (the memory pair rows), at about 1.6x the LP's rows
-WIDE_UNITS = {"num_buckets": 12, "max_single": 24}
-
-
-def _heavy_cuts(tab: Tables) -> tuple[int, ...]:
-    """Bucket boundaries: every size's memory capacity and half of it (a bucket of sequences over
-    half a group's memory then counts at least ``tokens / longest`` sequences needing a group each)."""
-    return tuple(sorted({int(tab.cap[d]) // k for d in tab.sizes for k in (1, 2)}))

@@ -1,17 +1,23 @@
-"""Adaptive length bucketing: few buckets for the MILP, chosen by dynamic programming.
+"""Adaptive length bucketing: few buckets for the MILP and the LP bound, chosen by dynamic programming.
 
 Short sequences enter the MILP as fluid token amounts per bucket, priced at the bucket's cheapest
 time per token (its shortest member), which keeps the MILP a valid relaxation. The DP picks bucket
 boundaries that minimise the work this under-pricing hides:
 ``sum_i (rate(len_i) - rate(min of bucket)) * len_i = a_attn * sum_i (len_i - lo) * len_i`` at size 1.
 The real sequences are placed afterwards, so bucketing never changes what is trained.
+:func:`bound_units` gives the LP bound (:mod:`planner.bound`) its units: the slowest sequences one
+by one, the others in such buckets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from megatron_flexsp.planner.layout import Tables
 
 
 @dataclass(frozen=True)
@@ -87,3 +93,28 @@ def make_buckets(lens: np.ndarray, idx: np.ndarray, *, num_buckets: int, a_attn:
     hidden = a_attn * float(cost[k_best, c])
     total = float(a_attn * s2[n] + a_lin * s1[n])
     return Buckets(tuple(members), tuple(lo), tuple(hi), hidden / total if total > 0 else 0.0)
+
+
+def bound_units(tab: Tables, *, num_buckets: int = 8, max_single: int = 12) -> list[tuple[np.ndarray, bool]]:
+    """What the LP places: the ``max_single`` sequences with the slowest fastest finish one by one,
+    the others as length buckets (cut at every size's memory capacity). The defaults keep the LP
+    small (about 630 rows at 64 GPUs, twice the solves of :data:`WIDE_UNITS` in the same time)."""
+    order = np.argsort(-tab.critical_ms(), kind="stable")
+    singles = [int(i) for i in order[:max_single]]
+    rest = np.array(sorted(set(range(len(tab.lens))) - set(singles)), dtype=np.int64)
+    cm = tab.cm
+    buckets = make_buckets(tab.lens, rest, num_buckets=num_buckets, a_attn=cm.coeffs.a_attn_ms_per_token2,
+                           a_lin=cm.coeffs.a_lin_ms_per_token,
+                           cuts=_heavy_cuts(tab))
+    return [(np.array([i]), True) for i in singles] + [(mem, False) for mem in buckets.members]
+
+
+#: :func:`bound_units` of :func:`~planner.bound.lp_step_bound`'s second pass: more sequences placed one by one
+#: see which long ones cannot share a group (the memory pair rows), at about 1.6x the LP's rows
+WIDE_UNITS = {"num_buckets": 12, "max_single": 24}
+
+
+def _heavy_cuts(tab: Tables) -> tuple[int, ...]:
+    """Bucket boundaries: every size's memory capacity and half of it (a bucket of sequences over
+    half a group's memory then counts at least ``tokens / longest`` sequences needing a group each)."""
+    return tuple(sorted({int(tab.cap[d]) // k for d in tab.sizes for k in (1, 2)}))

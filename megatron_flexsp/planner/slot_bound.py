@@ -89,9 +89,10 @@ def slot_bound(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_
 
 
 def solve_slot_lp(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, max_single: int = 24,
-                  counts: tuple[int, ...] = ()) -> SlotLP:
+                  counts: tuple[int, ...] = (), time_limit_s: float = math.inf) -> SlotLP:
     """The LP of :func:`slot_bound`: its bound and its placement rounded to sizes (:class:`SlotLP`),
-    and its value at each micro-batch count of ``counts`` (``SlotLP.by_count``)."""
+    and its value at each micro-batch count of ``counts`` (``SlotLP.by_count``). HiGHS stops at
+    ``time_limit_s`` (seconds over all the solves), which raises :class:`SolverTrouble`."""
     if orders < 1:
         raise ValueError(f"orders={orders} must be >= 1")
     cm = tab.cm
@@ -150,7 +151,7 @@ def solve_slot_lp(tab: Tables, *, orders: int = DFF_ORDERS, grid: float = 1.1, m
             idx, val = per[d, k]
             model.row(-math.inf, 0.0, idx + [n[d]], val + [-1.0])
     model.row(-math.inf, 0.0, [n[d] for d in sizes] + [m_col], [float(d) for d in sizes] + [-float(n_gpus)])
-    h = model.to_highs(threads=1, time_limit_s=math.inf, node_limit=0, rel_gap=0.0, seed=0)
+    h = model.to_highs(threads=1, time_limit_s=time_limit_s, node_limit=0, rel_gap=0.0, seed=0)
     m_star = _solve(h, m_col)
     if m_star is None:
         raise SolverTrouble("slot bound: HiGHS found a feasible LP infeasible")
