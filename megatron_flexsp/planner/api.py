@@ -41,6 +41,7 @@ from megatron_flexsp.planner.groups_first import pack_at_sizes
 from megatron_flexsp.planner.guided import guided_candidates
 from megatron_flexsp.planner.polish import polish, search_runners_up, touch_up
 from megatron_flexsp.planner.slot_bound import SlotLP, solve_slot_lp
+from megatron_flexsp.planner.tail import repack_tail
 from megatron_flexsp.utils.logging import get_logger
 
 log = get_logger(__name__)
@@ -199,7 +200,9 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the best homogeneous plan (no further count tried past 20% of the budget), the slot LP (a
     bound, and its placement rounded into a plan), the fast search (to 42% of the budget),
-    polishing (to 55%), the LP bound (to 81%), plans rounded from its relaxation (to 84%), then
+    polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs the best
+    plan's fastest micro-batches, :func:`~planner.tail.repack_tail`), plans rounded from its
+    relaxation (to 84%), then
     the MILPs (``search="milp"``) on what is left, ending at 87% of the budget, and the chosen plan
     touched up (the local search and exchanges) to 95%, or earlier where assembling the plan
     (:data:`ASSEMBLY_S_PER_ITEM`) needs more than the rest. Past a budget of 1 s the 0.07 s,
@@ -263,6 +266,12 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                            floors=bounds.floors, hint_deadline=guided_end)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
+        if not bound_end.expired():  # the searches stalled: the plan gets the rest of their time
+            k = min(range(len(candidates)), key=lambda j: candidates[j][0])
+            ms, name, layout = candidates[k]
+            info["tail_repacked"] = repack_tail(layout, tab, bound_end)
+            candidates[k] = (tab.step_ms(layout), name, layout)
+            best_ms = min(c[0] for c in candidates)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
             candidates += _guided(tab, packer, lp.hints, best_ms, guided_end, info)
             best_ms = min(c[0] for c in candidates)

@@ -243,7 +243,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     and none has raised the lowest bound above where it started (the floors bind, as on steps of
     many micro-batches, whose slowest few explicit micro-batches say little): it returns
     floors proven another way (per count, and for every count past those; e.g. a finer slot
-    bound) or None, and the searches go on above them.
+    bound) or None, and the searches go on above them; stalled as long again, they stop (the time
+    left to ``deadline`` is the caller's).
     """
     floors = floors or step_floors(tab)
     proven = dict(count_floor or {})
@@ -335,13 +336,17 @@ class _Counts:
         True when it stopped because no search can raise it further (converged)."""
         found, crit, last = self.found, float(self.tab.critical_ms().max()), self.last
         first_low = self._lowest()[1] if self.waiting or found else math.inf
+        mark = None  # the solves when the floors were raised
         try:
             while (len(found) > len(self.settled) or self.waiting) and not _late(self.deadline):
                 m, value = self._lowest()
-                if (self.refloor is not None and self.solves >= self.refloor_after
-                        and value <= first_low * (1 + 1e-9)):
-                    self._raise_floors()
-                    continue
+                if value <= first_low * (1 + 1e-9):
+                    if self.refloor is not None and self.solves >= self.refloor_after:
+                        self._raise_floors()
+                        mark, first_low = self.solves, self._lowest()[1]
+                        continue
+                    if mark is not None and self.solves >= mark + self.refloor_after:
+                        return False  # stalled above the raised floors too: the rest is the caller's
                 # past ``beyond`` the bound cannot rise, but refining still sharpens the hints
                 if value >= self.target * (1 - self.rel_tol) or (value >= self.beyond and not self.hints):
                     return False

@@ -11,15 +11,24 @@ of 10.67 s. :func:`replan_tail` keeps the ``j`` slowest micro-batches of a layou
 3) and plans the sequences of the others as the search's stuffed-and-split family does
 (:func:`~planner.search.stuffed_layouts`) and as a balanced split over counts
 (:func:`~planner.split.best_split`), keeping the fastest layout.
+
+:func:`repack_tail` works from the other end: the ``t`` fastest micro-batches, where the
+memory-bound short sequences end up once the long ones have had their levels, are pooled and
+packed by memory again, spread evenly over as many micro-batches as a plain packing of them needs,
+and drained (:func:`~planner.layout.drain_micro_batches`): on a lognormal step (mean 16K tokens,
+2,048 documents, 256 GPUs) the 10 fastest of 22 micro-batches (22.48 s) became 9 (21.98 s).
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, mb_items
+from megatron_flexsp.planner.groups_first import (bin_sizes, groups_first, longest_first, opening_sizes,
+                                                  pack_opening)
+from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import stuffed_layouts
 from megatron_flexsp.planner.split import best_split
@@ -57,3 +66,36 @@ def replan_tail(layout: Layout, packer: LevelPacker, deadline, keep: int = 3, tr
     if best is not None:
         layout[:] = [[tab.clone(g) for g in mb] for mb in best]
     return kept
+
+
+def repack_tail(layout: Layout, tab: Tables, deadline) -> int:
+    """Pool the ``t`` fastest micro-batches of ``layout``, pack their sequences groups first with
+    memory spread evenly over as many micro-batches as the plain packing needs
+    (:func:`~planner.groups_first.groups_first` at that fill) and drain the result; it replaces
+    them, in place, where its micro-batches take less time in all. ``t`` from half the
+    micro-batches outwards (half, one more, one fewer, ...; 2 to all), each try on ``layout`` as
+    the tries before left it: the best ``t`` ranged from 4 of 9 to 10 of 22 on the steps measured
+    (module docstring). Tens of milliseconds a try at a few thousand sequences; stops at
+    ``deadline``. Returns how many tries replaced micro-batches."""
+    replaced = 0
+    n_gpus = tab.cm.cluster.num_gpus
+    bin_size = bin_sizes(tab)[0]
+    half = max(2, (len(layout) + 1) // 2)
+    for t in sorted(range(2, len(layout) + 1), key=lambda t: (abs(t - half), -t)):
+        if deadline.expired():
+            break
+        if t > len(layout):
+            continue
+        ranked = sorted(range(len(layout)), key=lambda j: tab.mb_ms(layout[j]))
+        tail = ranked[:t]
+        items = np.concatenate([mb_items(layout[j]) for j in tail])
+        order = longest_first(tab, items)
+        plain = pack_opening(tab, order, opening_sizes(tab, bin_size, math.inf, order))
+        fill = min(1.0, int(tab.lens[items].sum()) / (len(plain) * n_gpus * tab.cm.capacity_tokens))
+        even = groups_first(tab, bin_size, fill=fill, items=items)
+        drain_micro_batches(even, tab, deadline=deadline, tries=8)
+        if tab.step_ms(even) < sum(tab.mb_ms(layout[j]) for j in tail) * (1 - 1e-9):
+            gone = set(tail)
+            layout[:] = [layout[j] for j in range(len(layout)) if j not in gone] + even
+            replaced += 1
+    return replaced

@@ -98,3 +98,42 @@ def test_the_finer_slot_lp_raises_the_bound_of_a_step_of_many_micro_batches():
     m = len(plan.micro_batches)  # the plan's own count is bounded by its value there
     assert (by_count[m] if m in by_count and m <= last else beyond) <= plan.predicted_step_ms
     assert _finer_slot(tab, cfg, {"slot_time_s": info["slot_time_s"]}, Deadline(0.0))() is None
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_searches_stalled_above_the_raised_floors_give_back_their_time(seed):
+    """Floors the searches cannot pass (each count's exact optimum, from the start and again from
+    the hook): once raised, the searches stop after as many solves again instead of splitting
+    boxes on, and the bound is still the optimum."""
+    tab, opt, exact = _exact_floors(seed)
+    after = 4
+    kw = dict(target_ms=1.5 * opt, max_solves=300, max_extra=2, count_floor=exact, beyond_floor=opt)
+    plain = lp_step_bound(tab, deadline=Deadline(60.0), **kw)
+    r = lp_step_bound(tab, deadline=Deadline(60.0), refloor=lambda: (exact, opt), refloor_after=after, **kw)
+    assert opt * (1 - 1e-9) <= r.bound_ms <= opt * (1 + 1e-6)
+    # the checks run between search steps, and a step may take a few solves (the pooled cap's
+    # refinement)
+    assert r.lp_solves <= 2 * after + 12 < plain.lp_solves, (r.lp_solves, plain.lp_solves)
+
+
+def test_repacking_the_fastest_micro_batches_by_memory():
+    """A shelf layout of GitHub-like files (1,024 at 64 GPUs, six micro-batches): its fastest
+    micro-batches packed by memory again fit five, over 1.5% faster; every sequence stays once,
+    within memory. Past its deadline, or where no packing is faster, nothing changes."""
+    from megatron_flexsp.planner.layout import to_step_plan
+    from megatron_flexsp.planner.tail import repack_tail
+    from tests.unit.test_tail import _seq_sets, _shelves
+
+    tab, _, layout = _shelves("github", 1024, 64)
+    before, count = tab.step_ms(layout), len(layout)
+    sets = [_seq_sets(mb) for mb in layout]
+    assert repack_tail(layout, tab, Deadline(0.0)) == 0
+    assert [_seq_sets(mb) for mb in layout] == sets
+    assert repack_tail(layout, tab, Deadline()) >= 1
+    assert tab.step_ms(layout) < 0.985 * before and len(layout) < count
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(tab.lens)))
+    validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="tail"))
+    tab, _, layout = _shelves("lognormal-4k", 512, 64)
+    sets = [_seq_sets(mb) for mb in layout]
+    assert repack_tail(layout, tab, Deadline()) == 0
+    assert [_seq_sets(mb) for mb in layout] == sets
