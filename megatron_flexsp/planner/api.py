@@ -266,7 +266,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
                            floors=bounds.floors, hint_deadline=guided_end)
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
-        if not bound_end.expired():  # the searches stalled: the plan gets the rest of their time
+        if not bound_end.expired():  # the searches ended early (stalled or converged): the plan gets the rest
             k = min(range(len(candidates)), key=lambda j: candidates[j][0])
             ms, name, layout = candidates[k]
             info["tail_repacked"] = repack_tail(layout, tab, bound_end)
@@ -327,27 +327,31 @@ def _finer_slot(tab: Tables, cfg: PlannerConfig, info: dict, deadline: Deadline
         took = info.get("slot_time_s", math.inf)
         if left < 2.5 * took:
             return None
-        m_min = H.min_micro_batches(tab)
-        last = m_min + cfg.max_extra_micro_batches
-        t0 = time.perf_counter()
+        t0, counts = time.perf_counter(), _slot_counts(tab, cfg)
         try:
-            finer = solve_slot_lp(tab, counts=tuple(range(m_min, last + 2)), time_limit_s=left,
+            finer = solve_slot_lp(tab, counts=counts, time_limit_s=left,
                                   **(FINER_SLOT if left >= 5 * took else FINE_SLOT))
         except SolverTrouble as exc:
             log.debug("%s; the finer slot bound is left out", exc)
             return None
         info.update(slot_refined_ms=finer.bound_ms, slot_refined_s=time.perf_counter() - t0)
-        return finer.by_count, finer.at_least(last + 1)
+        return finer.by_count, finer.at_least(counts[-1])  # every count past those searched
     return refloor
+
+
+def _slot_counts(tab: Tables, cfg: PlannerConfig) -> tuple[int, ...]:
+    """The micro-batch counts the slot LP is solved at: those the LP bound searches one by one
+    (the memory minimum and ``cfg.max_extra_micro_batches`` more) and the one after."""
+    m_min = H.min_micro_batches(tab)
+    return tuple(range(m_min, m_min + cfg.max_extra_micro_batches + 2))
 
 
 def _slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:
     """The slot bound's LP (:mod:`slot_bound`, tens of milliseconds), with its value at each count
     the LP bound searches and the one after; None when HiGHS fails it."""
     t0 = time.perf_counter()
-    m_min = H.min_micro_batches(tab)
     try:
-        slot = solve_slot_lp(tab, counts=tuple(range(m_min, m_min + cfg.max_extra_micro_batches + 2)))
+        slot = solve_slot_lp(tab, counts=_slot_counts(tab, cfg))
     except SolverTrouble as exc:
         log.warning("%s; the slot bound and its rounded plan are left out", exc)
         return None

@@ -62,6 +62,15 @@ def groups_first(tab: Tables, bin_size: int, level: float = float("inf"), fill: 
     return pack_opening(tab, order, opening_sizes(tab, bin_size, level, order), fill)
 
 
+def spread_evenly(tab: Tables, items: np.ndarray, micro_batches: int) -> Layout:
+    """:func:`groups_first` of ``items`` with their tokens spread evenly over the memory of
+    ``micro_batches`` micro-batches (``fill`` their share of it, at most 1), groups of the first
+    :func:`bin_sizes`: where memory sets the count, the micro-batches' work evens out."""
+    room = micro_batches * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens
+    fill = min(1.0, int(tab.lens[items].sum()) / room)
+    return groups_first(tab, bin_sizes(tab)[0], fill=fill, items=items)
+
+
 def longest_first(tab: Tables, items: np.ndarray) -> np.ndarray:
     """``items`` longest first (ties in their given order): the order :func:`groups_first` packs."""
     return items[np.argsort(-tab.lens[items], kind="stable")]

@@ -45,7 +45,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from megatron_flexsp.planner.best_fit import best_fit_micro_batch
-from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, longest_first, opening_sizes, pack_opening
+from megatron_flexsp.planner.groups_first import (bin_sizes, groups_first, longest_first, opening_sizes,
+                                                  pack_opening, spread_evenly)
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
@@ -136,10 +137,10 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
     if not packed:
         return []
     chosen = [min(packed)[2]]
-    room = len(packed[0][2]) * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens
-    fill = int(tab.lens[items].sum()) / room
-    if fill < 0.98 and not deadline.expired():
-        chosen.append(groups_first(tab, bin_sizes(tab)[0], fill=fill, items=items))
+    count = len(packed[0][2])  # the plain packing's (level inf, the first bin size)
+    room = count * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens
+    if int(tab.lens[items].sum()) < 0.98 * room and not deadline.expired():
+        chosen.append(spread_evenly(tab, items, count))
     for layout in chosen:
         drain_micro_batches(layout, tab, deadline=deadline, tries=8)
     return chosen

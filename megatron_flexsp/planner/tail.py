@@ -22,12 +22,10 @@ and drained (:func:`~planner.layout.drain_micro_batches`): on a lognormal step (
 from __future__ import annotations
 
 import itertools
-import math
 
 import numpy as np
 
-from megatron_flexsp.planner.groups_first import (bin_sizes, groups_first, longest_first, opening_sizes,
-                                                  pack_opening)
+from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, spread_evenly
 from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import stuffed_layouts
@@ -71,15 +69,13 @@ def replan_tail(layout: Layout, packer: LevelPacker, deadline, keep: int = 3, tr
 def repack_tail(layout: Layout, tab: Tables, deadline) -> int:
     """Pool the ``t`` fastest micro-batches of ``layout``, pack their sequences groups first with
     memory spread evenly over as many micro-batches as the plain packing needs
-    (:func:`~planner.groups_first.groups_first` at that fill) and drain the result; it replaces
+    (:func:`~planner.groups_first.spread_evenly`) and drain the result; it replaces
     them, in place, where its micro-batches take less time in all. ``t`` from half the
     micro-batches outwards (half, one more, one fewer, ...; 2 to all), each try on ``layout`` as
     the tries before left it: the best ``t`` ranged from 4 of 9 to 10 of 22 on the steps measured
     (module docstring). Tens of milliseconds a try at a few thousand sequences; stops at
     ``deadline``. Returns how many tries replaced micro-batches."""
     replaced = 0
-    n_gpus = tab.cm.cluster.num_gpus
-    bin_size = bin_sizes(tab)[0]
     half = max(2, (len(layout) + 1) // 2)
     for t in sorted(range(2, len(layout) + 1), key=lambda t: (abs(t - half), -t)):
         if deadline.expired():
@@ -89,10 +85,7 @@ def repack_tail(layout: Layout, tab: Tables, deadline) -> int:
         ranked = sorted(range(len(layout)), key=lambda j: tab.mb_ms(layout[j]))
         tail = ranked[:t]
         items = np.concatenate([mb_items(layout[j]) for j in tail])
-        order = longest_first(tab, items)
-        plain = pack_opening(tab, order, opening_sizes(tab, bin_size, math.inf, order))
-        fill = min(1.0, int(tab.lens[items].sum()) / (len(plain) * n_gpus * tab.cm.capacity_tokens))
-        even = groups_first(tab, bin_size, fill=fill, items=items)
+        even = spread_evenly(tab, items, len(groups_first(tab, bin_sizes(tab)[0], items=items)))
         drain_micro_batches(even, tab, deadline=deadline, tries=8)
         if tab.step_ms(even) < sum(tab.mb_ms(layout[j]) for j in tail) * (1 - 1e-9):
             gone = set(tail)
