@@ -106,7 +106,7 @@ def resplit_pairs(layout: Layout, packer: LevelPacker, deadline, slowest: int = 
     slower one's makespan), in place, until ``deadline``. Returns how many pairs got faster. In
     lognormal-4k plans at 64 GPUs a memory-full micro-batch of 34-46K-token documents on groups
     of 8 (3.18 s) pooled with one of short documents (1.62-1.83 s) splits faster only from
-    levels above 0.6 of the pair's time (by 7-22 ms on four such pairs)."""
+    levels above 0.6 of the pair's time (by 6-22 ms on four such pairs)."""
     tab = packer.tab
     better = 0
     for rank in range(slowest):
