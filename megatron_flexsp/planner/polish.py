@@ -265,8 +265,10 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     """Polish the search's layouts ``found`` (step ms, family, layout; best first) until
     ``deadline``, in shares of the time left: the best layout of each of the three best families
     drains its shortest micro-batches into the others' free memory (a quarter; groups first was
-    drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the two best
-    have every micro-batch re-packed at its smallest level where that is faster
+    drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the best and
+    the best of another family (the variants of one family, ``stuffed+split`` and
+    ``stuffed+groups``, share their first micro-batch) have every micro-batch re-packed at its
+    smallest level where that is faster
     (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 80%);
     then the best layout of each other family within :data:`SETTLE_WITHIN` of the best, in at
     most half the time the two left, ranked by a copy given the local search alone and settled
@@ -300,6 +302,9 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
             info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=share, tries=8)
             found[k] = (tab.step_ms(layout), name, layout)
     found.sort(key=lambda c: c[0])
+    other = next((k for k in range(1, len(found)) if _family(found[k][1]) != _family(found[0][1])), 0)
+    if other > 1:  # the two settled below: the best and the best of another family
+        found.insert(1, found.pop(other))
     if found:
         info["merged"] = merge_tail(found[0][2], packer, until(0.5))
     out = []
@@ -359,6 +364,12 @@ def distinct(found: list[tuple[float, str, Layout]]) -> list[tuple[float, str, L
             run = []
         out.append(c)
     return out
+
+
+def _family(name: str) -> str:
+    """A search family's name without its variant (``stuffed+split`` and ``stuffed+groups`` share
+    their first micro-batch)."""
+    return name.split("+")[0]
 
 
 def _layout_key(layout: Layout) -> tuple:
