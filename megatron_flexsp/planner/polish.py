@@ -207,11 +207,11 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
     steps, which it often does not reach at 1 s; a CommonCrawl-like step of 4,096 documents at 64
     GPUs came out at 13.43 s or 13.03 s from run to run as it did or did not), else pairs of
     micro-batches are re-split (:func:`resplit_pairs`: the polishing's re-splits were made before
-    the bound, MILP and touch-up phases changed the plan; a lognormal-4k step at 1,024 GPUs, 3.1%
-    faster), and the rounds go on if any made the step faster. Each unlocks the other: exchanges lower a
-    memory-full micro-batch's makespan, after which sequences may move into it, which opens new
-    exchanges (a common-level layout of
-    2,048 Pareto-tailed documents at 64 GPUs: 18.41 s after one round, 17.78 s after two). The
+    the bound, MILP and touch-up phases changed the plan; a lognormal-4k step at 1,024 GPUs came
+    out 3.1% faster in one run of three), and the rounds go on if any made the step faster. Each
+    unlocks the other: exchanges lower a memory-full micro-batch's makespan, after which
+    sequences may move into it, which opens new exchanges (a common-level layout of 2,048
+    Pareto-tailed documents at 64 GPUs: 18.41 s after one round, 17.78 s after two). The
     local search comes first because it is the cheaper of the two and this pass often has only a
     few hundredths of a second: on a Pareto-tailed step of 4,096 documents at 64 GPUs the first
     exchange pass took 0.04 s for -0.01%, the local search after it 0.03 s for -2.1%. At 64 GPUs

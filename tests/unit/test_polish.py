@@ -429,7 +429,8 @@ def _unequal_pair():
     rng = np.random.default_rng(0)
     longs = [46_333, 43_618, 43_352, 41_206, 6_400, 41_017, 6_845, 37_525, 10_326, 35_684, 10_554,
              34_682, 12_885]
-    short = [5_098, 3_341, 2_649, 2_346, 2_207, 2_206, 1_440, 1_435, 1_434] + rng.integers(2_000, 3_000, 117).tolist()
+    short = [5_098, 3_341, 2_649, 2_346, 2_207, 2_206, 1_440, 1_435, 1_434]
+    short += rng.integers(2_000, 3_000, 117).tolist()
     tab = Tables(np.array(longs + short), cm)
     packer = LevelPacker(tab)
     slow, fast = np.arange(len(longs)), np.arange(len(longs), len(longs) + len(short))
