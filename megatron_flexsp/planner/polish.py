@@ -104,8 +104,8 @@ def resplit_pairs(layout: Layout, packer: LevelPacker, deadline, slowest: int = 
     """Pool each of the ``slowest`` micro-batches of ``layout`` with every other (the slowest
     partners first) and keep a faster split (:func:`split_two`, its first micro-batch up to the
     slower one's makespan), in place, until ``deadline``. Returns how many pairs got faster. In
-    lognormal-4k plans at 64 GPUs a memory-full micro-batch of 34-56K-token documents on groups
-    of 8 and 16 (3.18-3.55 s) pooled with a faster one (1.62-2.17 s) splits faster only from
+    lognormal-4k plans at 64 GPUs a slow micro-batch of long documents on groups of 8 or 16
+    (3.18-3.55 s) pooled with a faster one (1.62-2.17 s) splits faster only from
     levels above 0.6 of the pair's time (by 6-22 ms on four such pairs)."""
     tab = packer.tab
     better = 0
