@@ -69,9 +69,11 @@ def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, lev
     top = pool[np.argsort(-packer.critical[pool], kind="stable")[:2]]
     times = packer.total[:, top][packer.ok[:, top]]
     low_half = max(crit, 0.6 * upper)
+    grid = set(level_grid(crit, low_half, levels))
+    if high > low_half:  # (else the grid's last level, up to rounding: no second stuffing there)
+        grid.add(high)
     high = max(low_half, high)
-    grid = (set(level_grid(crit, low_half, levels)) | {high}
-            | {float(t) * (1 + 1e-9) for t in times if crit < t <= high})
+    grid |= {float(t) * (1 + 1e-9) for t in times if crit < t <= high}
     tries = []
     for level in sorted(grid):
         if deadline.expired():
