@@ -27,7 +27,8 @@ import time
 
 import numpy as np
 
-from megatron_flexsp.planner.layout import Group, drain_micro_batches
+from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.layout import Group
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.polish import settle
 from megatron_flexsp.planner.search import groups_first_layouts

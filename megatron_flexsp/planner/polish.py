@@ -38,7 +38,8 @@ import time
 import numpy as np
 
 from megatron_flexsp.planner.exchange import balance_groups
-from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, improve_layout, mb_items
+from megatron_flexsp.planner.drain import drain_micro_batches, shed_slowest_groups
+from megatron_flexsp.planner.layout import Group, Tables, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.reseed import reseed_micro_batches
 from megatron_flexsp.planner.search import level_grid
@@ -228,6 +229,8 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
                 return exchanged
             exchanged += balance_groups(mb, tab, deadline)
         if tab.step_ms(layout) >= before * (1 - 1e-9):
+            if shed_slowest_groups(layout, tab, deadline):
+                continue
             if packer is not None and reseed_micro_batches(layout, packer, deadline):
                 continue
             if packer is not None and split_slowest(layout, packer, deadline, slowest=1):

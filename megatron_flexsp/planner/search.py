@@ -47,7 +47,8 @@ import numpy as np
 from megatron_flexsp.planner.best_fit import best_fit_micro_batch
 from megatron_flexsp.planner.groups_first import (bin_sizes, groups_first, longest_first, opening_sizes,
                                                   pack_opening, spread_evenly)
-from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches
+from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.layout import Group, Tables
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack_or_give_up

@@ -15,7 +15,7 @@ of 10.67 s. :func:`replan_tail` keeps the ``j`` slowest micro-batches of a layou
 :func:`repack_tail` works from the other end: the ``t`` fastest micro-batches, where the
 memory-bound short sequences end up once the long ones have had their levels, are pooled and
 packed by memory again, spread evenly over as many micro-batches as a plain packing of them needs,
-and drained (:func:`~planner.layout.drain_micro_batches`): on a lognormal step (mean 16K tokens,
+and drained (:func:`~planner.drain.drain_micro_batches`): on a lognormal step (mean 16K tokens,
 2,048 documents, 256 GPUs) the 10 fastest of 22 micro-batches (22.48 s) became 9 (21.98 s).
 """
 
@@ -26,7 +26,8 @@ import itertools
 import numpy as np
 
 from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, spread_evenly
-from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, mb_items
+from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.layout import Group, Tables, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import stuffed_layouts
 from megatron_flexsp.planner.split import best_split

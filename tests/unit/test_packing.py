@@ -12,7 +12,8 @@ from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.plan import validate_plan
 from megatron_flexsp.planner import plan_step
 from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, opening_sizes, pack_at_sizes, place_by_time
-from megatron_flexsp.planner.layout import Group, Tables, drain_micro_batches, to_step_plan
+from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.layout import Group, Tables, to_step_plan
 from megatron_flexsp.planner.slot_bound import _round_sizes, dff, slot_bound, solve_slot_lp
 from megatron_flexsp.sim.corpora import synthetic_lengths
 from megatron_flexsp.sim.workloads import sample_batches
@@ -236,7 +237,7 @@ def _single_groups(tab, items_per_mb):
 
 
 def test_drain_empties_a_short_micro_batch_into_free_memory():
-    from megatron_flexsp.planner.layout import drain_micro_batches
+    from megatron_flexsp.planner.drain import drain_micro_batches
 
     cm = tiny_cost_model()
     tab = Tables(np.array([50, 50, 50, 50, 30]), cm)
@@ -289,7 +290,7 @@ def test_drain_moves_each_sequence_where_it_raises_a_makespan_least():
     """On random layouts (groups of 1, 2 and 4 GPUs) a micro-batch is emptied exactly when, and
     exactly as, the brute-force rule says: the drain probes only the classes whose least load
     could still beat the best found, which must not change a single choice."""
-    from megatron_flexsp.planner.layout import _drain
+    from megatron_flexsp.planner.drain import _drain
 
     rng = np.random.default_rng(7)
     cm = tiny_cost_model(num_gpus=16, gpus_per_node=4, capacity_tokens=100, overhead_ms=20.0)
@@ -333,7 +334,7 @@ def test_drain_keeps_a_micro_batch_whose_moves_would_cost_more_than_it():
     """Five 40-token sequences: moving the fifth onto a loaded GPU of the first micro-batch raises
     it by more than the second micro-batch costs only if the fixed cost is small; with no fixed
     cost, draining gains nothing and must not happen."""
-    from megatron_flexsp.planner.layout import drain_micro_batches
+    from megatron_flexsp.planner.drain import drain_micro_batches
 
     cm = tiny_cost_model(overhead_ms=0.0)
     tab = Tables(np.array([40, 40, 40, 40, 40]), cm)
