@@ -114,9 +114,9 @@ def _place(layout: Layout, tab: Tables, items: list[tuple[int, Group]], v: int, 
     ``free``: tokens, per micro-batch, updated as items are placed), while the raises stay below
     ``budget_ms``; ``every``: stop at the first item that does not fit anywhere or would take the
     raises to ``budget_ms`` (else that item is left out and the next tried); ``probes``: the
-    least-loaded groups of a (micro-batch, size) class looked at for room (None: all). The items stay in the groups they leave
-    (:func:`_undo` takes the moves back). Returns the moves (sequence, source, destination) and
-    the raises' sum (ms)."""
+    least-loaded groups of a (micro-batch, size) class looked at for room (None: all). The items
+    stay in the groups they leave (:func:`_undo` takes the moves back). Returns the moves
+    (sequence, source, destination) and the raises' sum (ms)."""
     index = GroupIndex(tab)
     for j, mb in enumerate(layout):
         if j != v:

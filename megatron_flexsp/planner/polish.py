@@ -25,7 +25,8 @@
   the slowest group traded with the least-loaded groups of its size, where memory is too full to
   move one alone.
 * **Touching up** (:func:`touch_up`): the chosen plan's exchanges and local search once more, in
-  the time the MILP phase leaves.
+  the time the MILP phase leaves; once its rounds stop gaining, shedding
+  (:func:`~planner.drain.shed_slowest_groups`), re-seeding and the splits above.
 
 All only keep what is faster; a try costs a few stuffings and bisections (an exchange, a few
 array operations), and the deadline is checked between tries.
@@ -204,8 +205,9 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
     """The chosen plan's last pass, in the time the MILP phase leaves: the local search
     (:func:`~planner.layout.improve_layout`), then exchanges in every micro-batch
     (:func:`balance_groups`), again and again while a round shortens the step, in place, until
-    ``deadline``; once a round gains nothing, the micro-batches are re-packed with their longest
-    sequences opened first (:func:`~planner.reseed.reseed_micro_batches`, given ``packer``), else
+    ``deadline``; once a round gains nothing, the slowest groups shed short sequences into free
+    memory (:func:`~planner.drain.shed_slowest_groups`), else the micro-batches are re-packed with
+    their longest sequences opened first (:func:`~planner.reseed.reseed_micro_batches`), else
     the slowest is split in two where that is faster (:func:`split_slowest`: the polishing's last
     steps, which it often does not reach at 1 s; a CommonCrawl-like step of 4,096 documents at 64
     GPUs came out at 13.43 s or 13.03 s from run to run as it did or did not), else pairs of
