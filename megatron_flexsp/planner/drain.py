@@ -18,7 +18,7 @@ raises sum to less than what leaving saves.
 
 from __future__ import annotations
 
-from megatron_flexsp.planner.layout import Group, GroupIndex, Tables
+from megatron_flexsp.planner.layout import Group, GroupIndex, Tables, _head
 
 Layout = list[list[Group]]
 
@@ -59,12 +59,10 @@ def shed_slowest_groups(layout: Layout, tab: Tables, deadline=None, slowest: int
         if deadline is not None and deadline.expired():
             break
         spans, free = _spans_and_free(layout, tab)
-        mb = layout[j]
-        top = max(mb, key=lambda g: (tab.finish(g), -g.size))
+        top_ms, nxt, top = _head(layout[j], tab)
         if len(top.seqs) < 2:
             continue
-        nxt = max((tab.finish(g) for g in mb if g is not top), default=0.0)
-        excess = tab.finish(top) - nxt
+        excess = top_ms - nxt
         if excess <= 0.0:
             continue
         times = tab._time_l[top.size]
