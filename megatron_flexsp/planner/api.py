@@ -31,7 +31,7 @@ from megatron_flexsp.config import EXTERNAL_STRATEGIES, STRATEGIES, PlannerConfi
 from megatron_flexsp.cost_model import CostModel
 from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
 from megatron_flexsp.planner import heuristics as H
-from megatron_flexsp.planner.bound import SolverTrouble, lp_step_bound
+from megatron_flexsp.planner.bound import SolverTrouble, deeper_bound, lp_step_bound
 from megatron_flexsp.planner.exact import STEP_MILP_MAX_MICRO_BATCHES, milp_phase
 from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.layout import Tables, to_step_plan
@@ -201,7 +201,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     the best homogeneous plan (no further count tried past 20% of the budget), the slot LP (a
     bound, and its placement rounded into a plan), the fast search (to 42% of the budget),
     polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs the best
-    plan's fastest micro-batches, :func:`~planner.tail.repack_tail`), plans rounded from its
+    plan's fastest micro-batches, :func:`~planner.tail.repack_tail`, then searches the bound
+    again, deeper, :func:`~planner.bound.deeper_bound`), plans rounded from its
     relaxation (to 84%), then
     the MILPs (``search="milp"``) on what is left, ending at 87% of the budget, and the chosen plan
     touched up (the local search and exchanges) to 95%, or earlier where assembling the plan
@@ -272,6 +273,14 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
             info["tail_repacked"] = repack_tail(layout, tab, bound_end)
             candidates[k] = (tab.step_ms(layout), name, layout)
             best_ms = min(c[0] for c in candidates)
+            if not bound_end.expired() and bound < best_ms * (1 - cfg.rel_gap):  # and the bound what it leaves
+                t0, before = time.perf_counter(), lp.lp_solves
+                lp = deeper_bound(tab, lp, target_ms=best_ms, max_solves=cfg.bound_lp_solves - lp.lp_solves,
+                                  max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap, deadline=bound_end,
+                                  refine_above=_milp_covers(candidates, cfg), floors=bounds.floors)
+                info.update(deeper_bound_ms=lp.bound_ms, deeper_solves=lp.lp_solves - before,
+                            deeper_time_s=time.perf_counter() - t0)
+                bound = max(bound, lp.bound_ms)
         if bound < best_ms * (1 - cfg.rel_gap) and lp.hints:
             candidates += _guided(tab, packer, lp.hints, best_ms, guided_end, info)
             best_ms = min(c[0] for c in candidates)

@@ -116,6 +116,53 @@ def test_searches_stalled_above_the_raised_floors_give_back_their_time(seed):
     assert r.lp_solves <= 2 * after + 12 < plain.lp_solves, (r.lp_solves, plain.lp_solves)
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_the_deeper_search_stays_below_the_optimum(seed):
+    """Tiny steps of 3-6 micro-batches (brute-force optimum): searched again with three explicit
+    micro-batches from where a short first search ended, the bound rises or stays, never above
+    the optimum, nor above any count's own optimum."""
+    from megatron_flexsp.planner.bound import deeper_bound
+
+    tab, opt, exact = _exact_floors(seed)
+    first = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=6, max_extra=2, deadline=Deadline(60.0))
+    deeper = deeper_bound(tab, first, target_ms=1.5 * opt, max_solves=300, max_extra=2, deadline=Deadline(60.0))
+    assert first.bound_ms <= deeper.bound_ms <= opt * (1 + 1e-6), (first.bound_ms, deeper.bound_ms, opt)
+    got = dict(deeper.by_count)
+    for c, v in exact.items():  # each count the searches bound one by one, at most its own optimum
+        assert got.get(c, deeper.rest_ms) <= v * (1 + 1e-6), (c, got, exact)
+
+
+def test_searches_stalled_at_the_slot_bound_go_on_deeper_with_the_time_they_left():
+    """Lognormal documents (mean 4K tokens, 1,024 at 64 GPUs, the second step): the slowest
+    micro-batch alone, then two, stay below the finer slot bound (26,996 ms) at ten micro-batches,
+    and the searches stall there. Searched again with three explicit micro-batches from the start
+    (``deeper_bound``), above what the first proved, the bound passes 27,200 ms within 300 solves
+    (27,308 ms converged), still below the best plan (27,815 ms); per count it never drops below
+    the first search's, and without time it is the first search's."""
+    from megatron_flexsp.planner.bound import deeper_bound
+    from megatron_flexsp.sim.corpora import synthetic_lengths
+    from megatron_flexsp.sim.workloads import sample_batches
+
+    cm = _paper_cluster(64)
+    batch = sample_batches(synthetic_lengths("lognormal-4k", seed=1), global_batch=1024, num_batches=2, seed=0,
+                           max_seq_len=196608)[0][1]
+    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
+    cfg, info = PlannerConfig(), {}
+    slot = _slot_lp(tab, cfg, info)
+    last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
+    kw = dict(target_ms=27_944.0, max_extra=cfg.max_extra_micro_batches)
+    first = lp_step_bound(tab, max_solves=300, deadline=Deadline(60.0),
+                          refloor=_finer_slot(tab, cfg, info, Deadline(60.0)), count_floor=slot.by_count,
+                          beyond_floor=slot.at_least(last + 1), **kw)
+    assert first.lp_solves < 100 and first.bound_ms < 27_000.0  # stalled at the slot bound
+    deeper = deeper_bound(tab, first, max_solves=300, deadline=Deadline(60.0), **kw)
+    assert 27_200.0 <= deeper.bound_ms <= 27_814.0, deeper
+    assert deeper.lp_solves > first.lp_solves and deeper.rest_ms >= first.rest_ms
+    for c, v in first.by_count:
+        assert dict(deeper.by_count)[c] >= v
+    assert deeper_bound(tab, first, max_solves=300, deadline=Deadline(0.0), **kw).bound_ms == first.bound_ms
+
+
 def test_repacking_the_fastest_micro_batches_by_memory():
     """A shelf layout of GitHub-like files (1,024 at 64 GPUs, six micro-batches): its fastest
     micro-batches packed by memory again fit five, over 1.5% faster; every sequence stays once,
