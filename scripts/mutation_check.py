@@ -92,7 +92,7 @@ MUTATIONS = (
              "megatron_flexsp/planner/step_lp.py", "- np.maximum(room - sl.work, 0.0) / self.rate[d])",
              "- 0.0 / self.rate[d])", ("tests/unit/test_level_bound.py",)),
     Mutation("explicit-box", "the second slowest micro-batch is taken to be at most a third of the target",
-             "megatron_flexsp/planner/bound.py", "(target_ms - (m - p - 1) * f) / (p + 1)) for p in range(self.k))",
+             "megatron_flexsp/planner/box_search.py", "(target_ms - (m - p - 1) * f) / (p + 1)) for p in range(self.k))",
              "(target_ms - (m - p - 1) * f) / (2 * p + 1)) for p in range(self.k))",
              ("tests/unit/test_level_bound.py",)),
     Mutation("group-dff", "the LP counts a sequence that fits beside a slow one as unable to",

@@ -13,7 +13,6 @@ within a tolerance or the boxes are narrow (a few LP re-solves, independent of N
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,7 +23,8 @@ from megatron_flexsp.planner.heuristics import min_micro_batches
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.bucketing import WIDE_UNITS, bound_units
 from megatron_flexsp.planner.floors import StepFloors, step_floors
-from megatron_flexsp.planner.step_lp import Box, Hint, SolverOutOfTime, SolverTrouble, _StepLP
+from megatron_flexsp.planner.box_search import CountSearch
+from megatron_flexsp.planner.step_lp import Hint, SolverOutOfTime, SolverTrouble
 from megatron_flexsp.utils.logging import get_logger
 
 __all__ = ["BoundResult", "SolverTrouble", "bound_units", "lp_step_bound", "step_bound"]
@@ -59,124 +59,6 @@ class BoundResult:
         return min([v for c, v in self.by_count if c > m] + [self.rest_ms])
 
 
-def _children(box: Box, p: int) -> list[Box]:
-    """``box`` split in half along dimension ``p``, each half tightened to sorted makespans
-    (``T_q >= T_q+1``); empty halves are left out."""
-    a, b = box[p]
-    mid = 0.5 * (a + b)
-    out = []
-    for half in ((a, mid), (mid, b)):
-        dims = list(box)
-        dims[p] = half
-        for q in range(1, len(dims)):  # T_q <= T_q-1
-            dims[q] = (dims[q][0], min(dims[q][1], dims[q - 1][1]))
-        for q in range(len(dims) - 2, -1, -1):  # T_q >= T_q+1
-            dims[q] = (max(dims[q][0], dims[q + 1][0]), dims[q][1])
-        if all(lo <= hi for lo, hi in dims):
-            out.append(tuple(dims))
-    return out
-
-
-class _CountSearch:
-    """Branch and bound over boxes of the ``explicit`` slowest makespans, for plans with exactly
-    ``m`` micro-batches faster than ``target_ms`` whose slowest micro-batch lies in
-    ``[t1_lo, t1_hi]``. ``bound`` is valid at any time; ``floor`` is a bound already proven."""
-
-    def __init__(self, tab: Tables, m: int, units, *, target_ms: float, t1_lo: float, t1_hi: float,
-                 rel_tol: float, explicit: int, floor: float = 0.0, deadline=None,
-                 open_ended: bool = False) -> None:
-        self.lp = _StepLP(tab, m, units, k=explicit, open_ended=open_ended)
-        self.lp.deadline = deadline
-        self.m, self.k, self.target, self.rel_tol, self.floor = m, self.lp.k, target_ms, rel_tol, floor
-        f = self.lp.f_min
-        # the p-th slowest micro-batch of a plan faster than the target: p T_p + (m - p) f_min <= target
-        box = tuple((t1_lo if p == 0 else f, (target_ms - (m - p - 1) * f) / (p + 1)) for p in range(self.k))
-        box = ((t1_lo, min(box[0][1], t1_hi)),) + box[1:]
-        self.heap: list[tuple[float, int, Box]] = []
-        self.made = 0
-        self._bases: dict[int, object] = {}  # an open box's LP basis, by its heap id
-        # open boxes whose pooled cap is not yet refined -> their own first solve (the refinement's start)
-        self._pending: dict[int, float] = {}
-        if box[0][1] > t1_lo:
-            self._push(box, deadline)
-
-    def _push(self, box: Box, deadline, parent_ms: float = 0.0) -> None:
-        """Bound ``box`` by one solve; its refinement (:meth:`_StepLP.refine`) waits until it is
-        the lowest box (most boxes never are). ``parent_ms``: a bound proven for a box holding
-        this one (its parent's, often refined above what one solve here proves), kept as a floor."""
-        first, settled = self.lp.first_probe(box, self._r_cap(box))
-        val = max(first, parent_ms)
-        if val < self.target:
-            self._bases[self.made] = self.lp.basis()
-            if not settled:
-                self._pending[self.made] = first
-            heapq.heappush(self.heap, (val, self.made, box))
-            self.made += 1
-
-    def _r_cap(self, box: Box) -> float:
-        return self.target - sum(a for a, _ in box)
-
-    @property
-    def solves(self) -> int:
-        return self.lp.solves
-
-    @property
-    def bound(self) -> float:
-        """Valid lower bound (ms) on these plans' step time (the target when none is left)."""
-        return max(self.floor, min(self.heap[0][0], self.target)) if self.heap else self.target
-
-    def done(self) -> bool:
-        """True once no box can raise the bound (converged, or the lowest box is narrow)."""
-        if not self.heap or self.bound >= self.target * (1 - self.rel_tol):
-            return True
-        _, top, bx = self.heap[0]
-        return top not in self._pending and all(b - a <= self.rel_tol * a for a, b in bx)
-
-    def step(self, deadline=None) -> None:
-        """Refine the box with the lowest bound, or split it along its widest makespan range
-        once refined."""
-        top = heapq.heappop(self.heap)
-        bx = top[2]
-        if top[1] in self._pending:
-            self.lp.start_from(self._bases[top[1]])
-            try:
-                val = max(top[0], self.lp.refine(bx, self._r_cap(bx), self._pending[top[1]], self.rel_tol,
-                                                 deadline))
-            except SolverTrouble:
-                heapq.heappush(self.heap, top)
-                raise
-            del self._pending[top[1]]
-            if val < self.target:
-                self._bases[top[1]] = self.lp.basis()
-                heapq.heappush(self.heap, (val, top[1], bx))
-            else:
-                del self._bases[top[1]]
-            return
-        p = max(range(self.k), key=lambda q: bx[q][1] - bx[q][0])
-        basis = self._bases.pop(top[1])
-        try:
-            for child in _children(bx, p):
-                self.lp.start_from(basis)
-                self._push(child, deadline, top[0])
-        except SolverTrouble:
-            self._bases[top[1]] = basis
-            heapq.heappush(self.heap, top)  # its children may be missing: keep it whole
-            raise
-
-    def hint(self) -> Hint | None:
-        """The relaxed placement in the lowest open box (one LP solve; None when none is open)."""
-        if not self.heap:
-            return None
-        box = self.heap[0][2]
-        return self.lp.hint(box, self._r_cap(box))
-
-    def t1_range(self) -> tuple[float, float]:
-        """Slowest makespans (ms) the open boxes span: a plan faster than the target is there."""
-        if not self.heap:
-            return (0.0, 0.0)
-        return min(bx[0][0] for _, _, bx in self.heap), max(bx[0][1] for _, _, bx in self.heap)
-
-
 def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: float = 0.002,
                max_solves: int = 200, units: list[tuple[np.ndarray, bool]] | None = None,
                deadline=None, explicit: int = 1, t1_hi: float = math.inf) -> BoundResult:
@@ -190,7 +72,7 @@ def step_bound(tab: Tables, m: int, *, target_ms: float, t1_lo: float, rel_tol: 
     upper end of the slowest micro-batch's makespan in plans faster than the target.
     """
     units = units if units is not None else bound_units(tab)
-    search = _CountSearch(tab, m, units, target_ms=target_ms, t1_lo=t1_lo, t1_hi=t1_hi, rel_tol=rel_tol,
+    search = CountSearch(tab, m, units, target_ms=target_ms, t1_lo=t1_lo, t1_hi=t1_hi, rel_tol=rel_tol,
                           explicit=explicit, deadline=deadline)
     while not search.done() and search.solves < max_solves and not _late(deadline):
         search.step(deadline)
@@ -215,7 +97,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
                   refloor_after: int = REFLOOR_AFTER, explicit: int = 1) -> BoundResult:
     """Valid lower bound on the step time of any plan of ``tab``'s batch (ms).
 
-    One search (:class:`_CountSearch`) per micro-batch count, from the memory minimum up to
+    One search (:class:`CountSearch`) per micro-batch count, from the memory minimum up to
     ``max_extra`` more, and one for every count past those at once (its pooled part without a
     limit on GPUs, memory or makespans: :class:`~planner.step_lp._StepLP`'s ``open_ended``),
     with the slowest micro-batch explicit; the count whose bound is lowest is refined, box by
@@ -324,7 +206,7 @@ class _Counts:
         self.m_min = min_micro_batches(tab)
         self.max_extra, self.start, self.explicit = max_extra, start, max(1, explicit)
         simple = floors.at_least  # valid for plans with m or more micro-batches
-        self.found: dict[int, _CountSearch] = {}
+        self.found: dict[int, CountSearch] = {}
         # counts not searched yet, at a bound already proven for them; a count's LP is built only once
         # it is the lowest (each costs a build and a solve from scratch: most of a short budget); the
         # last, ``last``, stands for every count from it on (an open-ended search)
@@ -346,8 +228,8 @@ class _Counts:
     def solves(self) -> int:
         return sum(s.solves for s in self.found.values()) + self.spent
 
-    def _new(self, m: int, **kw) -> _CountSearch:
-        return _CountSearch(self.tab, m, self.units, target_ms=self.target, rel_tol=self.rel_tol,
+    def _new(self, m: int, **kw) -> CountSearch:
+        return CountSearch(self.tab, m, self.units, target_ms=self.target, rel_tol=self.rel_tol,
                             deadline=self.deadline, open_ended=m == self.last, **kw)
 
     def _lowest(self) -> tuple[int, float]:

@@ -424,12 +424,12 @@ def test_a_count_is_searched_only_once_its_floor_is_the_lowest(seed, monkeypatch
     floors = {c: brute_force_step_ms(tuple(int(x) for x in lens), cm, count=c) for c in range(m0, m0 + 3)}
     built = []
 
-    class Counting(bound_mod._CountSearch):
+    class Counting(bound_mod.CountSearch):
         def __init__(self, tab, m, *args, **kw):
             built.append(m)
             super().__init__(tab, m, *args, **kw)
 
-    monkeypatch.setattr(bound_mod, "_CountSearch", Counting)
+    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
     r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=300, max_extra=2, count_floor=floors)
     assert r.bound_ms <= opt * (1 + 1e-6)
     for c in set(built):
@@ -443,13 +443,13 @@ def test_a_count_search_never_gives_back_a_bound_it_proved():
     bound of the box they split (here 27.09 against 27.16-27.22 ms, again and again): they keep
     that bound, so a count's bound never falls while its search goes on (a deadline may stop it
     anywhere), and it stays below the plan found."""
-    from megatron_flexsp.planner.bound import _CountSearch, bound_units
+    from megatron_flexsp.planner.bound import CountSearch, bound_units
 
     cm = tiny_cost_model(num_gpus=8)
     lens = np.array([89, 38, 48, 55, 42, 59, 102, 61, 91, 112, 292])
     tab = Tables(lens, cm)
     plan_ms = plan_step(lens, cm).predicted_step_ms
-    search = _CountSearch(tab, 2, bound_units(tab, max_single=6, num_buckets=4), target_ms=plan_ms,
+    search = CountSearch(tab, 2, bound_units(tab, max_single=6, num_buckets=4), target_ms=plan_ms,
                           rel_tol=0.002, t1_lo=float(tab.critical_ms().max()), t1_hi=math.inf, explicit=1)
     seen = []
     while not search.done() and search.solves < 200:
@@ -474,12 +474,12 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
     def units(tab, **kw):  # the first pass's: 2 singles, 1 bucket; the wide pass's as asked
         return original(tab, **(kw or {"num_buckets": 1, "max_single": 2}))
 
-    class Counting(bound_mod._CountSearch):
+    class Counting(bound_mod.CountSearch):
         def __init__(self, tab, m, units_, *args, explicit, **kw):
             built.append((not any(single for _, single in units_), m, explicit))
             super().__init__(tab, m, units_, *args, explicit=explicit, **kw)
 
-    monkeypatch.setattr(bound_mod, "_CountSearch", Counting)
+    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
     second = 0
     for seed in range(6):
         cm, lens, opt = many_micro_batch_instance(seed)
@@ -512,12 +512,12 @@ def test_few_micro_batches_go_to_all_but_one_explicit_at_once(monkeypatch):
 
     built: list[tuple[int, int]] = []
 
-    class Counting(bound_mod._CountSearch):
+    class Counting(bound_mod.CountSearch):
         def __init__(self, tab, m, *args, explicit, **kw):
             built.append((m, explicit))
             super().__init__(tab, m, *args, explicit=explicit, **kw)
 
-    monkeypatch.setattr(bound_mod, "_CountSearch", Counting)
+    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
     escalated = set()
     for seed in range(6):
         cm, lens, opt = many_micro_batch_instance(seed)
