@@ -183,13 +183,21 @@ def deeper_bound(tab: Tables, prior: BoundResult, *, target_ms: float, max_solve
                         deadline=deadline, max_explicit=max_explicit, count_floor=dict(prior.by_count),
                         beyond_floor=prior.rest_ms, refine_above=refine_above, floors=floors,
                         explicit=max_explicit)
-    before = dict(prior.by_count)
-    counts = {c: max(v, before.get(c, prior.rest_ms)) for c, v in got.by_count}
-    counts |= {c: v for c, v in before.items() if c not in counts}
-    rest = max(got.rest_ms, prior.rest_ms)
+    counts, rest = _merged(dict(got.by_count), got.rest_ms, prior)
     return dataclasses.replace(prior, bound_ms=max(prior.bound_ms, min(list(counts.values()) + [rest])),
                                lp_solves=prior.lp_solves + got.lp_solves, by_count=tuple(sorted(counts.items())),
                                rest_ms=rest)
+
+
+def _merged(counts: dict[int, float], rest: float, prev: BoundResult) -> tuple[dict[int, float], float]:
+    """Bounds per count (ms) and for the counts not named (``rest``), raised to ``prev``'s: per
+    count the higher of the two, each result's rest standing for the counts it does not name. A
+    count a later pass dropped when out of time before building its search keeps what the first
+    pass proved (taking the first pass's rest for it, which covered only the other counts, had put
+    a bound 0.7% above the converged one)."""
+    before = dict(prev.by_count)
+    return ({c: max(counts.get(c, rest), before.get(c, prev.rest_ms)) for c in set(counts) | set(before)},
+            max(rest, prev.rest_ms))
 
 
 class _Counts:
@@ -204,7 +212,7 @@ class _Counts:
         self.max_explicit, self.switch_after, self.hints, self.refine_above = (max_explicit, switch_after,
                                                                                hints, refine_above)
         self.m_min = min_micro_batches(tab)
-        self.max_extra, self.start, self.explicit = max_extra, start, max(1, explicit)
+        self.max_extra, self.start, self.explicit = max_extra, start, max(1, min(explicit, max_explicit))
         simple = floors.at_least  # valid for plans with m or more micro-batches
         self.found: dict[int, CountSearch] = {}
         # counts not searched yet, at a bound already proven for them; a count's LP is built only once
@@ -259,8 +267,7 @@ class _Counts:
                 if self.solves >= max_solves:
                     return False
                 if m in self.waiting:
-                    k, lo, hi = self.start.get(m, (self.explicit, crit, math.inf))
-                    k = min(k, self.max_explicit, m - 1 if m == last else m)  # open-ended: one pooled
+                    k, lo, hi = self.start.get(m, (self.explicit, crit, math.inf))  # (the LP caps k at m)
                     try:
                         found[m] = self._new(m, t1_lo=max(crit, lo), t1_hi=hi, explicit=k, floor=self.waiting[m])
                     except SolverTrouble as exc:  # this count and all larger ones keep their floors
@@ -309,13 +316,7 @@ class _Counts:
         counts = {c: s.bound for c, s in self.found.items()} | self.waiting
         rest = min(self.beyond, self.target, counts.pop(self.last, math.inf))  # with the open-ended search's
         if prev is not None:
-            # per count the higher of the two passes' bounds, each pass's rest standing for the
-            # counts it does not name: a count this pass dropped when out of time before building
-            # its search keeps what the first pass proved (taking the first pass's rest for it, which
-            # covered only the other counts, had put a bound 0.7% above the converged one)
-            before = dict(prev.by_count)
-            counts = {c: max(counts.get(c, rest), before.get(c, prev.rest_ms)) for c in set(counts) | set(before)}
-            rest = max(rest, prev.rest_ms)
+            counts, rest = _merged(counts, rest, prev)
         return BoundResult(self.m_min + self.max_extra, min(list(counts.values()) + [rest]), solves,
                            sum(len(s.heap) for s in self.found.values()),
                            by_count=tuple(sorted(counts.items())), rest_ms=rest)
