@@ -227,8 +227,9 @@ def greedy(tab: Tables, extra_micro_batches: int = 3) -> list[list[Group]] | Non
     return best
 
 
-def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
-    """Megatron dynamic-CP greedy (``../shared/notes/peers.md``), evaluated under our cost model.
+def megatron_dcp(tab: Tables, items: np.ndarray | None = None) -> list[list[Group]] | None:
+    """Megatron dynamic-CP greedy (``../shared/notes/peers.md``), evaluated under our cost model,
+    of the sequences ``items`` (indices into ``tab``; default all of them).
 
     Sequences sorted by length; each gets the smallest power-of-two size with ``len/size`` within the
     per-rank token cap (here the memory capacity); it opens a group on free ranks (zero workload) or
@@ -239,7 +240,8 @@ def megatron_dcp(tab: Tables) -> list[list[Group]] | None:
     """
     n = tab.cm.cluster.num_gpus
     all_lens, all_sizes = tab.lens.tolist(), tab.min_size.tolist()
-    remaining = sorted(range(len(all_lens)), key=lambda i: (-all_lens[i], i))
+    chosen = range(len(all_lens)) if items is None else np.asarray(items).tolist()
+    remaining = sorted(chosen, key=lambda i: (-all_lens[i], i))
     start = 0  # ``remaining[start:]`` is still to place
     layout: list[list[Group]] = []
     while start < len(remaining):

@@ -48,6 +48,7 @@ from megatron_flexsp.planner.best_fit import best_fit_micro_batch
 from megatron_flexsp.planner.groups_first import (bin_sizes, groups_first, longest_first, opening_sizes,
                                                   pack_opening, spread_evenly)
 from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.heuristics import megatron_dcp
 from megatron_flexsp.planner.layout import Group, Tables
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
@@ -114,12 +115,14 @@ def first_levels(packer: LevelPacker, items: np.ndarray, lo: float, hi: float, g
     return sorted(set(level_grid(lo, hi, grid)) | {float(t) for t in times if t >= lo})
 
 
-def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> list[Layout]:
+def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp: bool = False) -> list[Layout]:
     """Groups-first layouts of the sequences ``items`` (:mod:`planner.groups_first`), drained: the
     best of open groups of one or two GPUs with sequences at their smallest size or, under a level
     from a short grid above the hardest one's fastest finish, at the cheapest size finishing them
     within it; and one with memory spread evenly over as many micro-batches as the plain packing
-    needed (when that leaves over 2% free). Milliseconds each; none once ``deadline`` has passed."""
+    needed (when that leaves over 2% free); with ``dcp``, Megatron-DCP's memory-filling greedy
+    (:func:`~planner.heuristics.megatron_dcp`) drained the same way. Milliseconds each; none once
+    ``deadline`` has passed."""
     crit = float(tab.critical_ms()[items].max())
     packed = []
     order = longest_first(tab, items)
@@ -142,6 +145,9 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline) -> 
     room = count * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens
     if int(tab.lens[items].sum()) < 0.98 * room and not deadline.expired():
         chosen.append(spread_evenly(tab, items, count))
+    greedy = megatron_dcp(tab, items) if dcp and not deadline.expired() else None
+    if greedy is not None:
+        chosen.append(greedy)
     for layout in chosen:
         drain_micro_batches(layout, tab, deadline=deadline, tries=8)
     return chosen
@@ -236,7 +242,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    their shortest micro-batches into the others' free memory
     #    (a quarter of the search's time at most, so the other families always get the rest)
     own = deadline.capped(time.perf_counter() + deadline.left() / 4)
-    for layout in groups_first_layouts(tab, items, own):
+    for layout in groups_first_layouts(tab, items, own, dcp=True):
         keep(layout, "groups-first")
     lo, hi = base_range(packer, m_min)
     # 1. shelves: each micro-batch at its own level, by both scores (a third of the time left)

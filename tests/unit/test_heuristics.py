@@ -167,3 +167,17 @@ def test_megatron_dcp_follows_its_rule_where_sequences_wait_for_later_micro_batc
         tab = Tables(lens, cm)
         got = [[(g.size, list(g.seqs)) for g in mb] for mb in H.megatron_dcp(tab)]
         assert got == _dcp_reference(tab)
+
+
+def test_megatron_dcp_of_a_subset_is_the_greedy_of_those_sequences_alone():
+    """``megatron_dcp(tab, items)`` lays out only ``items``, exactly as the plain reference lays out
+    a batch of those sequences alone (indices mapped back; in index order, so ties break alike)."""
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
+    rng = np.random.default_rng(5)
+    lens = np.where(rng.random(90) < 0.25, rng.integers(900, 1600, 90), rng.integers(5, 300, 90))
+    tab = Tables(lens, cm)
+    for items in (np.arange(0, 90, 2), np.sort(rng.permutation(90)[:37]), np.array([3])):
+        got = [[(g.size, sorted(g.seqs)) for g in mb] for mb in H.megatron_dcp(tab, items)]
+        alone = Tables(lens[items], cm)
+        want = [[(d, sorted(int(items[i]) for i in seqs)) for d, seqs in mb] for mb in _dcp_reference(alone)]
+        assert got == want
