@@ -29,13 +29,14 @@ import numpy as np
 
 from megatron_flexsp.config import EXTERNAL_STRATEGIES, STRATEGIES, PlannerConfig
 from megatron_flexsp.cost_model import CostModel
-from megatron_flexsp.plan import GroupPlan, MicroBatchPlan, StepPlan
+from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner.bound import SolverTrouble, deeper_bound, lp_step_bound
 from megatron_flexsp.planner.exact import STEP_MILP_MAX_MICRO_BATCHES, milp_phase
 from megatron_flexsp.planner.floors import StepFloors, step_floors
 from megatron_flexsp.planner.layout import Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.lengths import apply_over_length, remap_kept, validate_lengths
 from megatron_flexsp.planner.search import Deadline, base_range, level_grid, search_step
 from megatron_flexsp.planner.groups_first import pack_at_sizes
 from megatron_flexsp.planner.guided import guided_candidates
@@ -64,47 +65,6 @@ FINER_SLOT = {"grid": 1.03, "orders": 16, "max_single": 64}
 FINE_SLOT = {"grid": 1.05, "orders": 12, "max_single": 48}
 
 
-@dataclasses.dataclass(frozen=True)
-class LengthFix:
-    """Result of the over-length policy: trained lengths, dropped indices and tokens cut."""
-
-    lens: np.ndarray
-    dropped: tuple[int, ...]
-    tokens_truncated: int
-    tokens_dropped: int
-
-
-def apply_over_length(lens: np.ndarray, limit: int, policy: str) -> LengthFix:
-    """Apply ``policy`` to sequences longer than ``limit`` tokens (what the cluster can hold)."""
-    lens = np.asarray(lens, dtype=np.int64)
-    over = np.flatnonzero(lens > limit)
-    if len(over) == 0:
-        return LengthFix(lens.copy(), (), 0, 0)
-    if policy == "error":
-        i = int(over[0])
-        raise ValueError(f"sequence {i} has length {int(lens[i])}, above the capacity of the largest "
-                         f"group ({limit} tokens); {len(over)} sequence(s) exceed it "
-                         f"(set over_length to 'truncate' or 'drop')")
-    out = lens.copy()
-    if policy == "truncate":
-        cut = int((lens[over] - limit).sum())
-        out[over] = limit
-        log.warning("truncated %d sequence(s) to %d tokens (%d tokens cut)", len(over), limit, cut)
-        return LengthFix(out, (), cut, 0)
-    dropped = int(lens[over].sum())
-    out[over] = 0
-    log.warning("dropped %d sequence(s) longer than %d tokens (%d tokens)", len(over), limit, dropped)
-    return LengthFix(out, tuple(int(i) for i in over), 0, dropped)
-
-
-def _validate_input(lens: np.ndarray) -> None:
-    if lens.ndim != 1 or len(lens) == 0:
-        raise ValueError(f"the global batch is empty (got {len(lens)} sequence lengths)")
-    if (lens <= 0).any():
-        i = int(np.flatnonzero(lens <= 0)[0])
-        raise ValueError(f"sequence {i} has length {int(lens[i])}; lengths must be >= 1")
-
-
 _REGISTERED: dict[str, Callable[[np.ndarray, CostModel], StepPlan]] = {}
 
 
@@ -130,7 +90,7 @@ def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
     cfg = config or PlannerConfig()
     deadline = Deadline(cfg.time_budget_s)  # the budget covers the whole call
     original = np.asarray(seq_lens, dtype=np.int64)
-    _validate_input(original)
+    validate_lengths(original)
     fix = apply_over_length(original, cm.max_tokens, cfg.over_length)
     kept = np.flatnonzero(fix.lens > 0)
     if len(kept) == 0:
@@ -148,7 +108,7 @@ def plan_step(seq_lens, cm: CostModel, *, strategy: str = "flexsp",
     else:
         plan = _plan_baseline(tab, strategy, max_seq_len or int(original.max()))
     plan = dataclasses.replace(plan, solve_time_s=time.perf_counter() - t0)
-    return _remap(plan, kept, fix, original)
+    return remap_kept(plan, kept, fix, original)
 
 
 def _plan_baseline(tab: Tables, strategy: str, max_seq_len: int) -> StepPlan:
@@ -398,13 +358,3 @@ def _phase_ends(budget_s: float) -> dict[str, float]:
 def _phase(deadline: Deadline, cfg: PlannerConfig, fraction: float) -> Deadline:
     """A deadline at ``fraction`` of the planning budget (never after ``deadline``)."""
     return deadline.capped(deadline.start + fraction * cfg.time_budget_s)
-
-
-def _remap(plan: StepPlan, kept: np.ndarray, fix: LengthFix, original: np.ndarray) -> StepPlan:
-    """Express a plan of the kept sub-batch in indices of the whole batch."""
-    mbs = tuple(MicroBatchPlan(tuple(GroupPlan(g.ranks, tuple(int(kept[i]) for i in g.seqs),
-                                               g.predicted_ms) for g in mb.groups))
-                for mb in plan.micro_batches)
-    return dataclasses.replace(plan, micro_batches=mbs, seq_lens=tuple(int(x) for x in fix.lens),
-                               original_lens=tuple(int(x) for x in original), dropped=fix.dropped,
-                               tokens_truncated=fix.tokens_truncated, tokens_dropped=fix.tokens_dropped)

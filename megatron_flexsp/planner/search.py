@@ -5,7 +5,8 @@ from the one-micro-batch packing of :class:`~megatron_flexsp.planner.level.Level
 branches per micro-batch):
 
 * **groups first** (:mod:`planner.groups_first`): sequences packed into groups by memory, groups
-  into micro-batches by time; strong when memory sets the micro-batch count.
+  into micro-batches by time; strong when memory sets the micro-batch count. Megatron-DCP's
+  memory-filling greedy (:func:`~planner.heuristics.megatron_dcp`) is drained beside them.
 * **shelves** (:mod:`planner.shelves`): micro-batches stuffed one after another, each at a level
   chosen for it (the base levels, the hardest sequences' finish times, a grid above), by two
   scores; strong where a few long sequences want slower, denser micro-batches of their own.
@@ -159,7 +160,7 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     """Layouts of ``items`` whose first micro-batch is stuffed (:meth:`LevelPacker.stuff`) at a
     level where the hardest sequences' sizes change (:func:`first_levels`) or where the rest first
     fits one micro-batch fewer than the memory minimum (memory full, or 2% free), the rest packed
-    groups first (``"stuffed+groups"``) and split at its memory minimum (one more when that does
+    by memory (``"stuffed+groups"``: :func:`groups_first_layouts` with Megatron-DCP's greedy) and split at its memory minimum (one more when that does
     not pack; ``"stuffed+split"``). The levels are tried in the order of a cheap estimate (the
     first micro-batch plus the rest's simple bound), skipped once that estimate plus ``prefix_ms``
     (micro-batches the caller keeps) reaches ``best()``, the step time to beat. ``m_min``: the
@@ -198,7 +199,7 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
             break
         if estimate >= best():
             continue
-        tails = groups_first_layouts(tab, left, deadline) if by_memory else []
+        tails = groups_first_layouts(tab, left, deadline, dcp=True) if by_memory else []
         for tail in tails:  # the rest packed by memory
             yield "stuffed+groups", [[tab.clone(g) for g in first]] + tail
         for m in (m_rest, m_rest + 1):  # one more only where memory refused the memory minimum
