@@ -160,12 +160,13 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     """Layouts of ``items`` whose first micro-batch is stuffed (:meth:`LevelPacker.stuff`) at a
     level where the hardest sequences' sizes change (:func:`first_levels`) or where the rest first
     fits one micro-batch fewer than the memory minimum (memory full, or 2% free), the rest packed
-    by memory (``"stuffed+groups"``: :func:`groups_first_layouts` with Megatron-DCP's greedy) and split at its memory minimum (one more when that does
-    not pack; ``"stuffed+split"``). The levels are tried in the order of a cheap estimate (the
-    first micro-batch plus the rest's simple bound), skipped once that estimate plus ``prefix_ms``
-    (micro-batches the caller keeps) reaches ``best()``, the step time to beat. ``m_min``: the
+    by memory (``"stuffed+groups"``: :func:`groups_first_layouts` with Megatron-DCP's greedy)
+    and split at its memory minimum (one more when that does not pack; ``"stuffed+split"``). The
+    levels are tried in the order of a cheap estimate (the first micro-batch plus the rest's
+    simple bound), skipped once that estimate plus ``prefix_ms`` (micro-batches the caller keeps)
+    reaches ``best()``, the step time to beat. ``m_min``: the
     memory minimum of micro-batches (of ``items``' tokens when not given); ``by_memory``: whether
-    to pack the rest groups first too. Yields (family, layout) until ``deadline``."""
+    to pack the rest by memory too. Yields (family, layout) until ``deadline``."""
     tab = packer.tab
     n_gpus, f_min = packer.n_gpus, packer.f_min
     m_min = m_min or max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * n_gpus)))
