@@ -56,6 +56,8 @@ from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack_or_give_up
 
 Layout = list[list[Group]]
+#: micro-batches :func:`groups_first_layouts` tries to empty per layout (:func:`~planner.drain.drain_micro_batches`)
+DRAIN_TRIES = 8
 
 
 class Deadline:
@@ -146,12 +148,25 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp
     room = count * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens
     if int(tab.lens[items].sum()) < 0.98 * room and not deadline.expired():
         chosen.append(spread_evenly(tab, items, count))
-    greedy = megatron_dcp(tab, items) if dcp and not deadline.expired() else None
-    if greedy is not None:
-        chosen.append(greedy)
     for layout in chosen:
-        drain_micro_batches(layout, tab, deadline=deadline, tries=8)
+        drain_micro_batches(layout, tab, deadline=deadline, tries=DRAIN_TRIES)
+    greedy = megatron_dcp(tab, items) if dcp and not deadline.expired() else None
+    if greedy is not None and _may_drain_below(greedy, tab, int(tab.lens[items].sum()),
+                                               min(tab.step_ms(x) for x in chosen)):
+        drain_micro_batches(greedy, tab, deadline=deadline, tries=DRAIN_TRIES)
+        chosen.append(greedy)
     return chosen
+
+
+def _may_drain_below(layout: Layout, tab: Tables, tokens: int, target_ms: float) -> bool:
+    """Whether draining ``layout`` (``tokens`` in all) could bring its step under ``target_ms``:
+    each micro-batch emptied saves less than its makespan, and at most :data:`DRAIN_TRIES` of them,
+    and no more than leave the memory minimum, are emptied. (Megatron-DCP's greedy on 4,096
+    documents at 64 GPUs: 0.01 s to build, 0.04-0.16 s to drain, often to no use.)"""
+    spans = sorted(tab.mb_ms(mb) for mb in layout)
+    m_min = math.ceil(tokens / (tab.cm.cluster.num_gpus * tab.cm.capacity_tokens))
+    removable = max(0, min(DRAIN_TRIES, len(layout) - m_min))
+    return sum(spans) - sum(spans[:removable]) < target_ms
 
 
 def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, best: Callable[[], float],

@@ -68,3 +68,33 @@ def test_a_group_of_one_sequence_or_a_lone_slowest_group_is_left_alone():
     layout = _layout(tab, [[(2, [0]), (1, [1]), (1, [2])], [(1, [3])]])
     assert shed_slowest_groups(layout, tab) == 0
     assert [[g.seqs for g in mb] for mb in layout] == [[[0], [1], [2]], [[3]]]
+
+
+def test_the_drain_never_ends_below_what_the_greedys_prune_allows():
+    """``search._may_drain_below`` skips draining Megatron-DCP's greedy when even emptying its
+    fastest micro-batches (as many as tries and the memory minimum allow) could not beat the best
+    groups-first layout. Checked against the drain itself on random batches: whatever step the
+    drain reaches, the prune says it could be reached, and a target at the emptied micro-batches'
+    full saving is refused."""
+    from megatron_flexsp.planner import heuristics as H
+    from megatron_flexsp.planner.drain import drain_micro_batches
+    from megatron_flexsp.planner.search import DRAIN_TRIES, _may_drain_below
+
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
+    rng = np.random.default_rng(11)
+    drained_some = 0
+    for _ in range(60):
+        lens = np.where(rng.random(70) < 0.2, rng.integers(300, 1500, 70), rng.integers(5, 200, 70))
+        tab = Tables(lens, cm)
+        layout = H.megatron_dcp(tab)
+        tokens = int(lens.sum())
+        before = tab.step_ms(layout)
+        spans = sorted(tab.mb_ms(mb) for mb in layout)
+        m_min = -(-tokens // (8 * 200))
+        full_saving = sum(spans[:max(0, min(DRAIN_TRIES, len(layout) - m_min))])
+        assert not _may_drain_below(layout, tab, tokens, before - full_saving)
+        removed = drain_micro_batches(layout, tab, tries=DRAIN_TRIES)
+        after = tab.step_ms(layout)
+        drained_some += removed > 0
+        assert _may_drain_below(H.megatron_dcp(tab), tab, tokens, after + 1e-6)
+    assert drained_some >= 10
