@@ -56,7 +56,8 @@ from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack_or_give_up
 
 Layout = list[list[Group]]
-#: micro-batches :func:`groups_first_layouts` tries to empty per layout (:func:`~planner.drain.drain_micro_batches`)
+#: micro-batches :func:`groups_first_layouts` tries to empty per layout
+#: (:func:`~planner.drain.drain_micro_batches`)
 DRAIN_TRIES = 8
 
 
@@ -179,9 +180,9 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     and split at its memory minimum (one more when that does not pack; ``"stuffed+split"``). The
     levels are tried in the order of a cheap estimate (the first micro-batch plus the rest's
     simple bound), skipped once that estimate plus ``prefix_ms`` (micro-batches the caller keeps)
-    reaches ``best()``, the step time to beat. ``m_min``: the
-    memory minimum of micro-batches (of ``items``' tokens when not given); ``by_memory``: whether
-    to pack the rest by memory too. Yields (family, layout) until ``deadline``."""
+    reaches ``best()``, the step time to beat. ``m_min``: the memory minimum of micro-batches (of
+    ``items``' tokens when not given); ``by_memory``: whether to pack the rest by memory too.
+    Yields (family, layout) until ``deadline``."""
     tab = packer.tab
     n_gpus, f_min = packer.n_gpus, packer.f_min
     m_min = m_min or max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * n_gpus)))
@@ -254,9 +255,9 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
 
     # 0. groups first (milliseconds each): open groups of one or two GPUs, sequences at their
     #    smallest size or, under a level from a short grid above the hardest sequence's fastest
-    #    finish, the cheapest size that finishes them within it. The best of these, and one with
-    #    memory spread evenly over as many micro-batches as the plain packing needed, then empty
-    #    their shortest micro-batches into the others' free memory
+    #    finish, the cheapest size that finishes them within it. The best of these, one with
+    #    memory spread evenly over as many micro-batches as the plain packing needed, and
+    #    Megatron-DCP's greedy then empty their shortest micro-batches into the others' free memory
     #    (a quarter of the search's time at most, so the other families always get the rest)
     own = deadline.capped(time.perf_counter() + deadline.left() / 4)
     for layout in groups_first_layouts(tab, items, own, dcp=True):
