@@ -48,6 +48,17 @@ def drain_micro_batches(layout: Layout, tab: Tables, deadline=None, tries: int =
     return removed
 
 
+def could_drain_below(layout: Layout, tab: Tables, target_ms: float, tries: int) -> bool:
+    """Whether :func:`drain_micro_batches` with ``tries`` could bring ``layout``'s step under
+    ``target_ms`` (ms): each micro-batch emptied saves less than its makespan, and at most
+    ``tries`` of them, and no more than leave the memory minimum of its tokens, are emptied."""
+    spans = sorted(tab.mb_ms(mb) for mb in layout)
+    tokens = sum(g.tokens for mb in layout for g in mb)
+    m_min = -(-tokens // (tab.cm.cluster.num_gpus * tab.cm.capacity_tokens))
+    removable = max(0, min(tries, len(layout) - m_min))
+    return sum(spans) - sum(spans[:removable]) < target_ms
+
+
 def shed_slowest_groups(layout: Layout, tab: Tables, deadline=None, slowest: int = 3) -> int:
     """For each of the ``slowest`` micro-batches, move the shortest sequences of its slowest group
     (all but its longest-running one), as many as it takes to bring that group down to the

@@ -71,14 +71,14 @@ def test_a_group_of_one_sequence_or_a_lone_slowest_group_is_left_alone():
 
 
 def test_the_drain_never_ends_below_what_the_greedys_prune_allows():
-    """``search._may_drain_below`` skips draining Megatron-DCP's greedy when even emptying its
-    fastest micro-batches (as many as tries and the memory minimum allow) could not beat the best
-    groups-first layout. Checked against the drain itself on random batches: whatever step the
-    drain reaches, the prune says it could be reached, and a target at the emptied micro-batches'
-    full saving is refused."""
+    """``could_drain_below`` (where it says no, the search does not drain Megatron-DCP's greedy)
+    is false only where even emptying the fastest micro-batches (as many as the tries and the
+    memory minimum allow) could not reach the target. Checked against the drain itself on random
+    batches: whatever step the drain reaches, it says could be reached, and it refuses a target
+    at the emptied micro-batches' full saving."""
     from megatron_flexsp.planner import heuristics as H
-    from megatron_flexsp.planner.drain import drain_micro_batches
-    from megatron_flexsp.planner.search import DRAIN_TRIES, _may_drain_below
+    from megatron_flexsp.planner.drain import could_drain_below, drain_micro_batches
+    from megatron_flexsp.planner.search import DRAIN_TRIES
 
     cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
     rng = np.random.default_rng(11)
@@ -92,9 +92,9 @@ def test_the_drain_never_ends_below_what_the_greedys_prune_allows():
         spans = sorted(tab.mb_ms(mb) for mb in layout)
         m_min = -(-tokens // (8 * 200))
         full_saving = sum(spans[:max(0, min(DRAIN_TRIES, len(layout) - m_min))])
-        assert not _may_drain_below(layout, tab, tokens, before - full_saving)
+        assert not could_drain_below(layout, tab, before - full_saving, DRAIN_TRIES)
         removed = drain_micro_batches(layout, tab, tries=DRAIN_TRIES)
         after = tab.step_ms(layout)
         drained_some += removed > 0
-        assert _may_drain_below(H.megatron_dcp(tab), tab, tokens, after + 1e-6)
+        assert could_drain_below(H.megatron_dcp(tab), tab, after + 1e-6, DRAIN_TRIES)
     assert drained_some >= 10
