@@ -21,6 +21,8 @@ from __future__ import annotations
 from megatron_flexsp.planner.layout import Group, GroupIndex, Tables, _head
 
 Layout = list[list[Group]]
+#: micro-batches the planner's callers of :func:`drain_micro_batches` try to empty per layout
+DRAIN_TRIES = 8
 
 
 def drain_micro_batches(layout: Layout, tab: Tables, deadline=None, tries: int = 3) -> int:
@@ -48,7 +50,7 @@ def drain_micro_batches(layout: Layout, tab: Tables, deadline=None, tries: int =
     return removed
 
 
-def could_drain_below(layout: Layout, tab: Tables, target_ms: float, tries: int) -> bool:
+def could_drain_below(layout: Layout, tab: Tables, target_ms: float, tries: int = DRAIN_TRIES) -> bool:
     """Whether :func:`drain_micro_batches` with ``tries`` could bring ``layout``'s step under
     ``target_ms`` (ms): each micro-batch emptied saves less than its makespan, and at most
     ``tries`` of them, and no more than leave the memory minimum of its tokens, are emptied."""

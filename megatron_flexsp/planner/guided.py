@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.drain import DRAIN_TRIES, drain_micro_batches
 from megatron_flexsp.planner.layout import Group
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.polish import settle
@@ -133,7 +133,7 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
     ms, layout = min(out, key=lambda c: c[0])
     if ms > upper_ms * (1 + slack):
         return []
-    drain_micro_batches(layout, tab, deadline=deadline, tries=8)
+    drain_micro_batches(layout, tab, deadline=deadline, tries=DRAIN_TRIES)
     settle(layout, packer, deadline)
     ms = tab.step_ms(layout)
     return [(ms, "lp-guided", layout)] if ms < upper_ms else []

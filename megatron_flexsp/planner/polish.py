@@ -39,7 +39,7 @@ import time
 import numpy as np
 
 from megatron_flexsp.planner.exchange import balance_groups
-from megatron_flexsp.planner.drain import drain_micro_batches, shed_slowest_groups
+from megatron_flexsp.planner.drain import DRAIN_TRIES, drain_micro_batches, shed_slowest_groups
 from megatron_flexsp.planner.layout import Group, Tables, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.reseed import reseed_micro_batches
@@ -306,7 +306,8 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
         if name != "groups-first":
             end = until(0.25)
             share = end.capped(time.perf_counter() + max(end.left(), 0.0) / (len(tops) - n_done))
-            info.setdefault("drained", {})[name] = drain_micro_batches(layout, tab, deadline=share, tries=8)
+            drained = drain_micro_batches(layout, tab, deadline=share, tries=DRAIN_TRIES)
+            info.setdefault("drained", {})[name] = drained
             found[k] = (tab.step_ms(layout), name, layout)
     found.sort(key=lambda c: c[0])
     other = next((k for k in range(1, len(found)) if _family(found[k][1]) != _family(found[0][1])), 0)

@@ -48,7 +48,7 @@ import numpy as np
 from megatron_flexsp.planner.best_fit import best_fit_micro_batch
 from megatron_flexsp.planner.groups_first import (bin_sizes, groups_first, longest_first, opening_sizes,
                                                   pack_opening, spread_evenly)
-from megatron_flexsp.planner.drain import could_drain_below, drain_micro_batches
+from megatron_flexsp.planner.drain import DRAIN_TRIES, could_drain_below, drain_micro_batches
 from megatron_flexsp.planner.heuristics import megatron_dcp
 from megatron_flexsp.planner.layout import Group, Tables
 from megatron_flexsp.planner.level import LevelPacker
@@ -56,9 +56,6 @@ from megatron_flexsp.planner.shelves import SCORES, ShelfPlanner
 from megatron_flexsp.planner.split import PRUNE, best_split, common_level, split_pack_or_give_up
 
 Layout = list[list[Group]]
-#: micro-batches :func:`groups_first_layouts` tries to empty per layout
-#: (:func:`~planner.drain.drain_micro_batches`)
-DRAIN_TRIES = 8
 
 
 class Deadline:
@@ -154,8 +151,7 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp
     # the greedy drained only where that could beat the best so far (on 4,096 documents at 64
     # GPUs it takes 0.01 s to build and 0.04-0.16 s to drain, often to no use)
     greedy = megatron_dcp(tab, items) if dcp and not deadline.expired() else None
-    if greedy is not None and could_drain_below(greedy, tab, min(tab.step_ms(x) for x in chosen),
-                                                DRAIN_TRIES):
+    if greedy is not None and could_drain_below(greedy, tab, min(tab.step_ms(x) for x in chosen)):
         drain_micro_batches(greedy, tab, deadline=deadline, tries=DRAIN_TRIES)
         chosen.append(greedy)
     return chosen

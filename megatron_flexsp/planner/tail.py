@@ -26,7 +26,7 @@ import itertools
 import numpy as np
 
 from megatron_flexsp.planner.groups_first import bin_sizes, groups_first, spread_evenly
-from megatron_flexsp.planner.drain import drain_micro_batches
+from megatron_flexsp.planner.drain import DRAIN_TRIES, drain_micro_batches
 from megatron_flexsp.planner.layout import Group, Tables, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import stuffed_layouts
@@ -87,7 +87,7 @@ def repack_tail(layout: Layout, tab: Tables, deadline) -> int:
         tail = ranked[:t]
         items = np.concatenate([mb_items(layout[j]) for j in tail])
         even = spread_evenly(tab, items, len(groups_first(tab, bin_sizes(tab)[0], items=items)))
-        drain_micro_batches(even, tab, deadline=deadline, tries=8)
+        drain_micro_batches(even, tab, deadline=deadline, tries=DRAIN_TRIES)
         if tab.step_ms(even) < sum(tab.mb_ms(layout[j]) for j in tail) * (1 - 1e-9):
             gone = set(tail)
             layout[:] = [layout[j] for j in range(len(layout)) if j not in gone] + even

@@ -77,8 +77,7 @@ def test_the_drain_never_ends_below_what_the_greedys_prune_allows():
     batches: whatever step the drain reaches, it says could be reached, and it refuses a target
     at the emptied micro-batches' full saving."""
     from megatron_flexsp.planner import heuristics as H
-    from megatron_flexsp.planner.drain import could_drain_below, drain_micro_batches
-    from megatron_flexsp.planner.search import DRAIN_TRIES
+    from megatron_flexsp.planner.drain import DRAIN_TRIES, could_drain_below, drain_micro_batches
 
     cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
     rng = np.random.default_rng(11)
