@@ -39,9 +39,11 @@ Layout = list[list[Group]]
 
 
 def _open_groups(packer: LevelPacker, singles: tuple[tuple[int, int], ...], level: float,
-                 taken: np.ndarray) -> list[Group]:
+                 taken: np.ndarray, fullest: bool = False) -> list[Group]:
     """Groups for one micro-batch's ``singles`` (sequence, size) at ``level`` (ms), within N GPUs;
-    a sequence already ``taken``, or that fits nowhere, is left to the stuffing."""
+    a sequence already ``taken``, or that fits nowhere, is left to the stuffing. A sequence joins
+    the least-loaded group it fits (time and memory), or with ``fullest`` the one holding the most
+    tokens (best fit: pairs the longest with the longest that still fits)."""
     tab = packer.tab
     groups: list[Group] = []
     free = packer.n_gpus
@@ -52,7 +54,7 @@ def _open_groups(packer: LevelPacker, singles: tuple[tuple[int, int], ...], leve
         room = [g for g in groups if g.size == d and g.tokens + size_in <= tab.cap[d]]
         fits = [g for g in room if g.load_ms + t + tab.fixed[d] <= level * (1 + 1e-9)]
         if fits:
-            g = min(fits, key=lambda g: g.load_ms)
+            g = max(fits, key=lambda g: g.tokens) if fullest else min(fits, key=lambda g: g.load_ms)
         elif free >= d:
             g = Group(d)
             groups.append(g)
@@ -67,11 +69,11 @@ def _open_groups(packer: LevelPacker, singles: tuple[tuple[int, int], ...], leve
 
 
 def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
-                  seeded: bool = True, shelves: bool = True) -> Layout | None:
+                  seeded: bool = True, shelves: bool = True, fullest: bool = False) -> Layout | None:
     """A layout of the whole batch rounded from ``hint`` (see the module docstring); ``bases``:
     the shelves' base levels (ms) for the sequences the explicit micro-batches leave; ``seeded``:
     the explicit micro-batches open groups for the hint's sequences first (else they are only
-    stuffed at the hint's levels). After each explicit micro-batch the sequences left are also
+    stuffed at the hint's levels; ``fullest``: seeded best fit, :func:`_open_groups`). After each explicit micro-batch the sequences left are also
     laid out by groups first (:func:`~planner.search.groups_first_layouts`, milliseconds); after
     the last one by ``shelves`` too, which are not finished in a hurry. The fastest of these layouts,
     or None when ``deadline`` cut every one short. The layout's groups are its own."""
@@ -83,7 +85,7 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
     for level, singles in zip(hint.levels, hint.singles):
         if taken.all() or deadline.expired():
             break
-        groups = _open_groups(packer, singles, level, taken) if seeded else []
+        groups = _open_groups(packer, singles, level, taken, fullest) if seeded else []
         level = max(level, tab.mb_ms(groups))
         groups, _ = packer.stuff(np.flatnonzero(~taken), level, seed=groups)
         if not groups:
@@ -109,8 +111,8 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
 
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,
                       upper_ms: float = math.inf, slack: float = 0.05) -> list[tuple[float, str, Layout]]:
-    """Layouts rounded from ``hints`` (lowest LP value first; each seeded, then only stuffed at
-    its levels; all with the rest packed groups first, then with shelves too) in the first half
+    """Layouts rounded from ``hints`` (lowest LP value first; each seeded least-loaded first, then
+    best fit, then only stuffed at its levels; all with the rest packed groups first, then with shelves too) in the first half
     of the time to ``deadline``; the best, if at most ``slack`` slower than ``upper_ms``, then
     drains its shortest micro-batches, is re-packed at its smallest levels, searched locally and
     its groups evened out by exchanges (:func:`~planner.polish.settle`) in the rest.
@@ -122,10 +124,10 @@ def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[
     out = []
     for shelves in (False, True):  # every rounding with its quick rests first, then with shelves
         for hint in hints:
-            for seeded in (True, False):
+            for seeded, fullest in ((True, False), (True, True), (False, False)):
                 if half.expired():
                     break
-                layout = guided_layout(packer, hint, bases, half, seeded, shelves)
+                layout = guided_layout(packer, hint, bases, half, seeded, shelves, fullest)
                 if layout is not None:
                     out.append((tab.step_ms(layout), layout))
     if not out:

@@ -350,7 +350,7 @@ class _StepLP:
         for u, (_, p, d) in sorted(best.items()):
             if p < self.k:
                 parts[p].append((int(self.units[u][0][0]), d))
-        return Hint(self.m, value, tuple(self.levels(box, r_cap)[:self.k]), tuple(map(tuple, parts)))
+        return Hint(self.m, value, tuple(float(x[c]) for c in self.T), tuple(map(tuple, parts)))
 
     def basis(self) -> highspy.HighsBasis:
         """The basis of the last solve (a hot start for boxes inside the one just solved)."""
