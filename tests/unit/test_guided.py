@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from megatron_flexsp.planner.bound import lp_step_bound
-from megatron_flexsp.planner.guided import guided_candidates, guided_layout
+from megatron_flexsp.planner.guided import _open_groups, guided_candidates, guided_layout
 from megatron_flexsp.planner.layout import Group, Tables, to_step_plan
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import base_range, level_grid, search_step, Deadline
@@ -100,6 +100,44 @@ def test_a_guided_layout_runs_every_sequence_once():
     assert layout is not None
     validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="lp-guided"))
     assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(lens)))
+
+
+def test_best_fit_seeding_places_what_least_loaded_leaves():
+    """Four groups of 2 GPUs (200 tokens each) for eight sequences: joining the least-loaded group
+    strands the last 50-token one (every group then over 150 tokens); joining the fullest that
+    fits pairs 84 with 108 and 65 with 133, leaving room for both 50s beside 99."""
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=100)
+    lens = np.array([156, 133, 108, 99, 84, 65, 50, 50])
+    tab = Tables(lens, cm)
+    assert tab.cap[2] == 200
+    packer = LevelPacker(tab)
+    singles = tuple((i, 2) for i in range(len(lens)))
+    placed = {}
+    for fullest in (False, True):
+        taken = np.zeros(len(lens), dtype=bool)
+        groups = _open_groups(packer, singles, math.inf, taken, fullest)
+        assert sum(g.size for g in groups) <= 8
+        assert all(int(lens[g.seqs].sum()) == g.tokens <= 200 for g in groups)
+        seqs = sorted(i for g in groups for i in g.seqs)
+        assert seqs == np.flatnonzero(taken).tolist()  # each once, and marked taken
+        placed[fullest] = len(seqs)
+    assert placed == {False: 7, True: 8}
+
+
+def test_a_hint_names_the_relaxations_makespans():
+    """The hint's levels are the LP's own makespans of its explicit micro-batches: within the box
+    and summing, with the pooled part's, to the LP's value."""
+    cm = tiny_cost_model()
+    lens = np.array([300, 180, 120, 90, 70, 60, 50, 40, 30, 20, 15, 10])
+    tab = Tables(lens, cm)
+    lp = _StepLP(tab, 3, bound_units(tab, num_buckets=3, max_single=3), k=2)
+    box = ((0.0, 1e6), (0.0, 1e6))
+    hint = lp.hint(box, 1e6)
+    assert hint is not None and len(hint.levels) == 2
+    x = lp.h.getSolution().col_value
+    assert hint.levels[0] >= hint.levels[1] >= 0.0
+    assert sum(hint.levels) + x[lp.R] == pytest.approx(hint.value_ms, rel=1e-9)
+    assert hint.levels[1] < 1e6  # not the box's upper end
 
 
 def test_the_relaxation_names_a_plan_the_search_missed():
