@@ -276,7 +276,9 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     the best of another family (the variants of one family, ``stuffed+split`` and
     ``stuffed+groups``, share their first micro-batch) have every micro-batch re-packed at its
     smallest level where that is faster
-    (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 80%);
+    (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 60%:
+    at 80% the tail's first try, 0.2 s at 1,024 GPUs, ran out of time one run in three there, and
+    those plans were 2-2.8% slower);
     then the best layout of each other family within :data:`SETTLE_WITHIN` of the best, in at
     most half the time the two left, ranked by a copy given the local search alone and settled
     from where it was, the copy kept where faster (the local search moves some families far: a
@@ -316,7 +318,7 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     if found:
         info["merged"] = merge_tail(found[0][2], packer, until(0.5))
     out = []
-    end = until(0.8)
+    end = until(0.6)
     for n_done, (ms, name, layout) in enumerate(found[:2]):
         share = end.capped(time.perf_counter() + max(end.left(), 0.0) / (2 - n_done))
         out.append(_settled(name, layout, packer, share, info))
