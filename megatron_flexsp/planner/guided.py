@@ -9,14 +9,17 @@ eight 196K documents in one micro-batch on groups of 32, the two others with sho
 second, the shortest documents in a third. Rounded and polished that is 15.20 s, within 0.1% of
 the bound.
 
-A :class:`~planner.step_lp.Hint` gives, per explicit (slowest) micro-batch, its level and the
-individually placed sequences with their sizes. Each such micro-batch opens groups for its
-sequences (longest first; a sequence shares a group of its size when time and memory allow, and
-when the GPUs are used up it joins the least-loaded one with memory room, raising the level), then
-is stuffed at its level (:meth:`LevelPacker.stuff`); a second rounding only stuffs at the levels
-(on nine batches of the sweep each was the better one somewhere: 17.56 against 17.76 s on a
-pareto-1.1 step at 64 GPUs, 22.23 against 23.21 s on a GitHub-like one). The sequences left are laid out in shelves
-(:class:`~planner.shelves.ShelfPlanner`, both scores); the best rounding is then polished.
+A :class:`~planner.step_lp.Hint` gives, per explicit (slowest) micro-batch, its level (the LP's
+makespan for it) and the individually placed sequences with their sizes. Each such micro-batch
+opens groups for its sequences (longest first; a sequence joins the least-loaded group of its size
+where time and memory allow, and when the GPUs are used up the least-loaded one with memory room,
+raising the level), then is stuffed at its level (:meth:`LevelPacker.stuff`); a second rounding
+joins the fullest group it fits instead (best fit: the longest beside the longest that still
+fits, where least-loaded pairs the longest with the shortest and can strand what comes last), a
+third only stuffs at the levels (on nine batches of the sweep the first and third were each the better one somewhere:
+17.56 against 17.76 s on a pareto-1.1 step at 64 GPUs, 22.23 against 23.21 s on a GitHub-like
+one). The sequences left are laid out in shelves (:class:`~planner.shelves.ShelfPlanner`, both
+scores); the best rounding is then polished.
 Polynomial: a few stuffings per micro-batch.
 """
 
@@ -73,10 +76,11 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
     """A layout of the whole batch rounded from ``hint`` (see the module docstring); ``bases``:
     the shelves' base levels (ms) for the sequences the explicit micro-batches leave; ``seeded``:
     the explicit micro-batches open groups for the hint's sequences first (else they are only
-    stuffed at the hint's levels; ``fullest``: seeded best fit, :func:`_open_groups`). After each explicit micro-batch the sequences left are also
-    laid out by groups first (:func:`~planner.search.groups_first_layouts`, milliseconds); after
-    the last one by ``shelves`` too, which are not finished in a hurry. The fastest of these layouts,
-    or None when ``deadline`` cut every one short. The layout's groups are its own."""
+    stuffed at the hint's levels); ``fullest``: they open them by best fit (:func:`_open_groups`).
+    After each explicit micro-batch the sequences left are also laid out by groups first
+    (:func:`~planner.search.groups_first_layouts`, milliseconds); after the last one by
+    ``shelves`` too, which are not finished in a hurry. The fastest of these layouts, or None
+    when ``deadline`` cut every one short. The layout's groups are its own."""
     tab = packer.tab
     n = len(tab.lens)
     taken = np.zeros(n, dtype=bool)
@@ -111,11 +115,12 @@ def guided_layout(packer: LevelPacker, hint: Hint, bases: list[float], deadline,
 
 def guided_candidates(packer: LevelPacker, hints: tuple[Hint, ...], bases: list[float], deadline,
                       upper_ms: float = math.inf, slack: float = 0.05) -> list[tuple[float, str, Layout]]:
-    """Layouts rounded from ``hints`` (lowest LP value first; each seeded least-loaded first, then
-    best fit, then only stuffed at its levels; all with the rest packed groups first, then with shelves too) in the first half
-    of the time to ``deadline``; the best, if at most ``slack`` slower than ``upper_ms``, then
-    drains its shortest micro-batches, is re-packed at its smallest levels, searched locally and
-    its groups evened out by exchanges (:func:`~planner.polish.settle`) in the rest.
+    """Layouts rounded from ``hints`` (lowest LP value first; each seeded least-loaded, then by
+    best fit, then only stuffed at its levels; all with the rest packed groups first, then with
+    shelves too) in the first half of the time to ``deadline``; the best, if at most ``slack``
+    slower than ``upper_ms``, then drains its shortest micro-batches, is re-packed at its smallest
+    levels, searched locally and its groups evened out by exchanges
+    (:func:`~planner.polish.settle`) in the rest.
     Returns it with its step time (ms) and family name when it is then faster than ``upper_ms``."""
     tab = packer.tab
     if deadline.expired():

@@ -60,8 +60,9 @@ TAIL_SHARE = 1 / 8
 class Hint:
     """Where the relaxation puts the long sequences, for rounding into a plan
     (:mod:`planner.guided`): ``value_ms`` is the LP's value for plans of ``m`` micro-batches in its
-    lowest box; per explicit micro-batch (slowest first) its level (ms) and the individually placed
-    sequences whose largest share it holds, as (sequence index, group size)."""
+    lowest box; per explicit micro-batch (slowest first) its level (the LP's makespan for it, ms:
+    in a box still wide the upper end can be far above it) and the individually placed sequences
+    whose largest share it holds, as (sequence index, group size)."""
 
     m: int
     value_ms: float
