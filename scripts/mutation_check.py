@@ -142,7 +142,7 @@ MUTATIONS = (
              "    if False:  # where the rest first fits one micro-batch fewer", ("tests/unit/test_guided.py",)),
     Mutation("stuffed-groups", "a stuffed first micro-batch's rest is never packed groups first",
              "megatron_flexsp/planner/search.py",
-             "tails = groups_first_layouts(tab, left, deadline) if by_memory else []",
+             "tails = groups_first_layouts(tab, left, deadline, dcp=True) if by_memory else []",
              "tails = []", ("tests/unit/test_guided.py",)),
     Mutation("tail-off", "a layout's tail is never re-planned",
              "megatron_flexsp/planner/tail.py", "    if best is not None:\n        layout[:]",

@@ -187,7 +187,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["search_family_s"] = {}
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
-                        deadline=_phase(deadline, cfg, 0.42), times=info["search_family_s"]) + rounded
+                        deadline=_phase(deadline, cfg, 0.42), times=info["search_family_s"],
+                        greedy=tab.clone_layout(dcp) if dcp is not None else None) + rounded
     found.sort(key=lambda c: c[0])
     families: dict[str, float] = {}
     for ms, name, _ in found:

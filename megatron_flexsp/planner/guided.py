@@ -16,9 +16,9 @@ where time and memory allow, and when the GPUs are used up the least-loaded one 
 raising the level), then is stuffed at its level (:meth:`LevelPacker.stuff`); a second rounding
 joins the fullest group it fits instead (best fit: the longest beside the longest that still
 fits, where least-loaded pairs the longest with the shortest and can strand what comes last), a
-third only stuffs at the levels (on nine batches of the sweep the first and third were each the better one somewhere:
-17.56 against 17.76 s on a pareto-1.1 step at 64 GPUs, 22.23 against 23.21 s on a GitHub-like
-one). The sequences left are laid out in shelves (:class:`~planner.shelves.ShelfPlanner`, both
+third only stuffs at the levels (on nine batches of the sweep the first and third were each the
+better one somewhere: 17.56 against 17.76 s on a pareto-1.1 step at 64 GPUs, 22.23 against
+23.21 s on a GitHub-like one). The sequences left are laid out in shelves (:class:`~planner.shelves.ShelfPlanner`, both
 scores); the best rounding is then polished.
 Polynomial: a few stuffings per micro-batch.
 """

@@ -116,13 +116,15 @@ def first_levels(packer: LevelPacker, items: np.ndarray, lo: float, hi: float, g
     return sorted(set(level_grid(lo, hi, grid)) | {float(t) for t in times if t >= lo})
 
 
-def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp: bool = False) -> list[Layout]:
+def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp: bool = False,
+                         greedy: Layout | None = None) -> list[Layout]:
     """Groups-first layouts of the sequences ``items`` (:mod:`planner.groups_first`), drained: the
     best of open groups of one or two GPUs with sequences at their smallest size or, under a level
     from a short grid above the hardest one's fastest finish, at the cheapest size finishing them
     within it; and one with memory spread evenly over as many micro-batches as the plain packing
     needed (when that leaves over 2% free); with ``dcp``, Megatron-DCP's memory-filling greedy
-    (:func:`~planner.heuristics.megatron_dcp`) drained the same way. Milliseconds each; none once
+    (:func:`~planner.heuristics.megatron_dcp`) drained the same way (``greedy``: that greedy of
+    ``items`` where the caller has built it, drained in place). Milliseconds each; none once
     ``deadline`` has passed."""
     crit = float(tab.critical_ms()[items].max())
     packed = []
@@ -150,7 +152,9 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp
         drain_micro_batches(layout, tab, deadline=deadline, tries=DRAIN_TRIES)
     # the greedy drained only where that could beat the best so far (on 4,096 documents at 64
     # GPUs it takes 0.01 s to build and 0.04-0.16 s to drain, often to no use)
-    greedy = megatron_dcp(tab, items) if dcp and not deadline.expired() else None
+    if deadline.expired() or not (dcp or greedy is not None):
+        return chosen
+    greedy = greedy if greedy is not None else megatron_dcp(tab, items)
     if greedy is not None and could_drain_below(greedy, tab, min(tab.step_ms(x) for x in chosen)):
         drain_micro_batches(greedy, tab, deadline=deadline, tries=DRAIN_TRIES)
         chosen.append(greedy)
@@ -216,11 +220,13 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
 
 
 def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float, deadline: Deadline,
-                grid: int = 8, times: dict | None = None) -> list[tuple[float, str, Layout]]:
+                grid: int = 8, times: dict | None = None,
+                greedy: Layout | None = None) -> list[tuple[float, str, Layout]]:
     """Candidate layouts of the whole batch (see the module docstring), each with its step time
     (ms) and family name; only those faster than ``upper_ms``. Each family is capped so that a
     short deadline still leaves time to the next. ``times`` (if given) gets the seconds each
-    family took."""
+    family took. ``greedy``: Megatron-DCP's greedy of the whole batch where the caller has built
+    it (the groups-first family drains it in place; built here otherwise)."""
     items = np.arange(len(tab.lens))
     out: list[tuple[float, str, Layout]] = []
     best = upper_ms
@@ -247,7 +253,7 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     #    Megatron-DCP's greedy then empty their shortest micro-batches into the others' free memory
     #    (a quarter of the search's time at most, so the other families always get the rest)
     own = deadline.capped(time.perf_counter() + deadline.left() / 4)
-    for layout in groups_first_layouts(tab, items, own, dcp=True):
+    for layout in groups_first_layouts(tab, items, own, dcp=True, greedy=greedy):
         keep(layout, "groups-first")
     lo, hi = base_range(packer, m_min)
     # 1. shelves: each micro-batch at its own level, by both scores (a third of the time left)
