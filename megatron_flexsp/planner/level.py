@@ -274,7 +274,7 @@ class LevelPacker:
 
     # ------------------------------------------------------------------ stuffing
     def stuff(self, items: np.ndarray, level: float, seed: list[Group] | None = None,
-              strict: bool = False) -> tuple[list[Group], np.ndarray]:
+              strict: bool = False, open_first: bool = False) -> tuple[list[Group], np.ndarray]:
         """Fill one micro-batch at ``level`` with as much work as fits, hardest items first.
 
         Returns its groups and the items left out. Items are taken in decreasing order of their
@@ -282,6 +282,9 @@ class LevelPacker:
         room, else opens a group of that size while GPUs remain, else tries the next sizes.
         ``seed``: groups the micro-batch starts with (they are filled further and returned first);
         ``strict``: stop at the first item left out (it and the items after it are returned left).
+        ``open_first``: an item goes to an open group of any size it fits (its cheapest sizes
+        first) before it opens a new one: the time a long sequence's group has left within the
+        level is paid for whether or not it is used, and the GPUs kept free take later items.
         """
         tab = self.tab
         lens, cap, lens_min = self.lens_l, tab.cap, tab.lens
@@ -307,7 +310,8 @@ class LevelPacker:
                 break
             tot, tim, s_i = total_l[i], time_l[i], lens[i]
             placed = False
-            for r in row_order[i]:
+            rows = row_order[i]
+            for pos_r, r in enumerate(rows * 2 if open_first else rows):
                 if tot[r] > level:
                     continue
                 d, c, room, t = sizes[r], caps[r], rooms[r], tim[r]
@@ -329,6 +333,8 @@ class LevelPacker:
                     heapq.heapreplace(into, (g.load_ms if into is heap else g.tokens - c, g.uid, g))
                     placed = True
                     break
+                if open_first and pos_r < len(rows):  # open groups of every size first
+                    continue
                 if free >= d:
                     g = Group(d, [i], t, s_i)
                     made.append(g)

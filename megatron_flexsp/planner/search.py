@@ -18,7 +18,9 @@ branches per micro-batch):
   level ``T1`` from a small grid above the longest sequence's fastest finish, or at the level where
   the rest first fits one micro-batch fewer than the memory minimum
   (:meth:`~megatron_flexsp.planner.level.LevelPacker.fill_level`), the rest split as below into
-  ``m - 1``, or packed by memory as in the first family (where memory sets the count).
+  ``m - 1``, or packed by memory as in the first family (where memory sets the count); once
+  every such first has been tried, each level again with open groups first
+  (:meth:`~megatron_flexsp.planner.level.LevelPacker.stuff`'s ``open_first``).
 * **best fit** (:mod:`planner.best_fit`, only where the batch fits one micro-batch's memory): one
   micro-batch, longest sequences first into the group with the least time left at a common level,
   new groups of one base size; strong with few sequences per GPU.
@@ -168,7 +170,9 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     level where the hardest sequences' sizes change (:func:`first_levels`) or where the rest first
     fits one micro-batch fewer than the memory minimum (memory full, or 2% free), the rest packed
     by memory (``"stuffed+groups"``: :func:`groups_first_layouts` with Megatron-DCP's greedy)
-    and split at its memory minimum (one more when that does not pack; ``"stuffed+split"``). The
+    and split at its memory minimum (one more when that does not pack; ``"stuffed+split"``); once
+    every first has been tried, the same levels stuffed with open groups first (where that leaves
+    another rest). The
     levels are tried in the order of a cheap estimate (the first micro-batch plus the rest's
     simple bound), skipped once that estimate plus ``prefix_ms`` (micro-batches the caller keeps)
     reaches ``best()``, the step time to beat. ``m_min``: the memory minimum of micro-batches (of
@@ -194,29 +198,35 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
                                      deadline=deadline, stuffed=stuffed)
             if fits is not None:
                 levels.add(fits)
-    firsts = []
-    for t1 in sorted(levels):
-        first, left = stuffed[t1]
-        if not first or not len(left):
-            continue
-        m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
-        estimate = prefix_ms + tab.mb_ms(first) + m_rest * f_min + float(packer.gpu_time_min[left].sum()) / n_gpus
-        firsts.append((estimate, t1, first, left, m_rest))
-    for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
-        if deadline.expired():
-            break
-        if estimate >= best():
-            continue
-        tails = groups_first_layouts(tab, left, deadline, dcp=True) if by_memory else []
-        for tail in tails:  # the rest packed by memory
-            yield "stuffed+groups", [[tab.clone(g) for g in first]] + tail
-        for m in (m_rest, m_rest + 1):  # one more only where memory refused the memory minimum
-            rest, gave_up = split_pack_or_give_up(packer, left, m, deadline,
-                                                  give_up_ms=best() * (1 + PRUNE) - prefix_ms - tab.mb_ms(first))
-            if rest is not None:
-                yield "stuffed+split", [first] + rest
-            if rest is not None or gave_up:
+    seen: list[np.ndarray] = []  # the rests of the plain stuffing (the other way only where it differs)
+    for variant in (False, True):  # plain stuffing, then open groups first once every plain one ran
+        firsts = []
+        for t1 in sorted(levels):
+            if variant and deadline.expired():
                 break
+            first, left = packer.stuff(items, t1, open_first=True) if variant else stuffed[t1]
+            if not first or not len(left) or (variant and any(np.array_equal(left, x) for x in seen)):
+                continue
+            seen.append(left)
+            m_rest = max(1, math.ceil(int(tab.lens[left].sum()) / mb_tokens))
+            estimate = (prefix_ms + tab.mb_ms(first) + m_rest * f_min
+                        + float(packer.gpu_time_min[left].sum()) / n_gpus)
+            firsts.append((estimate, t1, first, left, m_rest))
+        for estimate, t1, first, left, m_rest in sorted(firsts, key=lambda f: f[:2]):
+            if deadline.expired():
+                break
+            if estimate >= best():
+                continue
+            tails = groups_first_layouts(tab, left, deadline, dcp=True) if by_memory else []
+            for tail in tails:  # the rest packed by memory
+                yield "stuffed+groups", [[tab.clone(g) for g in first]] + tail
+            for m in (m_rest, m_rest + 1):  # one more only where memory refused the memory minimum
+                rest, gave_up = split_pack_or_give_up(packer, left, m, deadline,
+                                                      give_up_ms=best() * (1 + PRUNE) - prefix_ms - tab.mb_ms(first))
+                if rest is not None:
+                    yield "stuffed+split", [first] + rest
+                if rest is not None or gave_up:
+                    break
 
 
 def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float, deadline: Deadline,

@@ -223,6 +223,44 @@ def test_a_stuffed_first_micro_batch_then_the_rest_groups_first():
         assert simulate(plan, cm).memory_ok
 
 
+def test_stuffing_into_open_groups_first_gives_a_faster_first_micro_batch():
+    """Lognormal documents (mean 4K, 2,048 a step) on 256 GPUs, memory-bound (five micro-batches).
+    Stuffed with open groups first, the first micro-batch puts documents into the time a long
+    document's group has left before opening groups for them (no group past the level or its
+    memory, every item placed or left once), and the stuffed family's best layout is then over 1%
+    faster than from the plain stuffing alone (14.33 s against 14.49 s)."""
+    from tests.unit.test_packing import _paper_cluster
+    from megatron_flexsp.planner.search import stuffed_layouts
+    from megatron_flexsp.sim.corpora import synthetic_lengths
+    from megatron_flexsp.sim.workloads import sample_batches
+
+    cm = _paper_cluster(256)
+    batch = sample_batches(synthetic_lengths("lognormal-4k", seed=1), global_batch=2048, num_batches=1,
+                           seed=0, max_seq_len=196608)[0][0]
+    tab = Tables(np.minimum(batch, cm.max_tokens), cm)
+    packer = LevelPacker(tab)
+    items = np.arange(len(batch))
+    level = 5100.0
+    groups, left = packer.stuff(items, level, open_first=True)
+    placed = [i for g in groups for i in g.seqs]
+    assert sorted(placed + left.tolist()) == list(range(len(batch)))
+    assert sum(g.size for g in groups) <= 256
+    assert all(g.tokens <= tab.cap[g.size] and g.load_ms + tab.fixed[g.size] <= level * (1 + 1e-9)
+               for g in groups)
+    plain_groups, _ = packer.stuff(items, level)
+    assert [sorted(g.seqs) for g in groups] != [sorted(g.seqs) for g in plain_groups]
+
+    def best(pk) -> float:
+        return min(tab.step_ms(layout) for _, layout in stuffed_layouts(
+            pk, items, Deadline(), best=lambda: math.inf, m_min=min_micro_batches(tab)))
+
+    class Plain(LevelPacker):
+        def stuff(self, *args, **kwargs):
+            return super().stuff(*args, **{**kwargs, "open_first": False})
+
+    assert best(packer) < 0.99 * best(Plain(tab))
+
+
 def test_the_groups_first_family_also_drains_megatron_dcps_greedy():
     """Lognormal documents (mean 4K, 512 a step) on 64 GPUs, memory-bound (five micro-batches):
     on the third step Megatron-DCP's memory-filling greedy, drained, is over 1% faster than every
