@@ -7,6 +7,9 @@
   It also keeps the level-dependent memory coefficients of its columns.
 * :class:`Shares`: per part, how much of each bucket's tokens finishes within the level (a bucket
   may only place that share there).
+* :func:`time_dff`: per (part, size), rows bounding the number of groups from below by Fekete and
+  Schepers' ``u^(k)`` of each sequence's work within a group's time (at most ``k`` over
+  ``1 / (k + 1)`` of it per group), kept by :class:`CountRow` with the counting row.
 * :func:`pair_rows`: per (part, size), rows bounding the number of groups from below by Fekete and
   Schepers' ``u^(eps)`` of each sequence's memory, which know that a sequence over half a group's
   memory leaves room only for those shorter than what it leaves (their coefficients do not follow
@@ -35,16 +38,20 @@ class CountRow:
     (sequences per unit of the column at least: 1 for a single, ``tokens / longest`` for a
     bucket). ``tails``: the buckets of long sequences, as (column position, its members' works in
     ms, their finish times alone with the group's fixed cost and their lengths, all by work, the
-    row ``z >= a x + b`` of the column ``z`` it adds to the counting row)."""
+    row ``z >= a x + b`` of the column ``z`` it adds to the counting row). ``per_group_rows``:
+    (row, ``k``) of rows counting groups by :func:`time_dff`, set with the counting row."""
 
     def __init__(self, row: int, cols: np.ndarray, work: np.ndarray, tokens: np.ndarray,
                  span: np.ndarray, scale: np.ndarray,
-                 tails: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]]) -> None:
+                 tails: list[tuple[int, np.ndarray, np.ndarray, np.ndarray, int]],
+                 per_group_rows: tuple[tuple[int, int], ...] = ()) -> None:
         self.row, self.cols, self.work, self.tokens = row, cols.astype(np.int64), work, tokens
         self.span, self.scale = span, scale
         self.tails = tails
+        self.per_group_rows = per_group_rows
         self.last = {"slow": np.zeros(len(cols)), "mem": tokens.copy(), "total": tokens.copy(),
                      "tail": np.zeros(len(tails)), "tail_rhs": np.full(len(tails), math.inf)}
+        self.last.update({f"per{k}": np.zeros(len(cols)) for _, k in per_group_rows})
         # the tails' members end to end, so that one level is looked up in all of them at once
         # (a loop over them took a third of the bound's time on 64-GPU steps)
         if tails:
@@ -75,6 +82,8 @@ class CountRow:
         first, a convex function of ``x``: at least ``low x`` (``low``: its lowest count per
         token, in the row) and the tangent at its whole share (slope: the highest count per
         token, through the count of all of them), by ``z`` in the row."""
+        for row, k in self.per_group_rows:  # at most k of a work over room / (k + 1) per group
+            self.update(h, row, time_dff(self.work / room, k) * self.scale, f"per{k}")
         fits = heavy & (self.work <= room)
         stars = [float(self.work[fits].min())] if fits.any() else []
         if self.tails:
@@ -145,6 +154,18 @@ def _groups_needed(work: np.ndarray, room: float, heavy: np.ndarray,
         w_star = float(work[fits].min())
     middle = ~heavy & (work > room - w_star + 1e-9 * room)
     return np.where(heavy, 1.0, np.where(middle, work / room, 0.0))
+
+
+def time_dff(frac: np.ndarray, k: int) -> np.ndarray:
+    """Fekete and Schepers' ``u^(k)`` (``k >= 1``) of work shares ``frac`` (a sequence's work
+    over a group's time within the level, capped at 1), taken just below where ``(k + 1) frac`` is
+    a whole number (there ``u^(k)`` is ``frac``, at most what this gives): ``floor((k + 1) frac) /
+    k``. Works sharing a group sum to at most its time, so their values sum to at most 1: a
+    group holds at most ``k`` works over ``1 / (k + 1)`` of it, ``j`` such works count ``1 / k``
+    each. Sequences of alike lengths, a few per group, then need whole groups (three works of
+    0.29 of the time fill a group: the work row alone would fit 3.4)."""
+    x = np.minimum(np.asarray(frac, dtype=np.float64), 1.0)
+    return np.clip(np.floor((k + 1) * x - 1e-9), 0.0, None) / k
 
 
 def pair_dff(frac: np.ndarray, eps: float) -> np.ndarray:

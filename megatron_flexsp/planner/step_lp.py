@@ -8,7 +8,8 @@ below is a relaxation of every such plan, so its least ``T_1 + ... + T_k + R`` b
   the work of the sequences put there within ``n_pd (b_p - f_d)``, their tokens within
   ``n_pd d C``, sequences holding more than half a group's memory one per group, sequences whose
   work is over half of ``b_p - f_d`` one per group (two would not finish within ``b_p``) and those
-  that cannot share a group with one of them counted by their share of a group's time, the memory
+  that cannot share a group with one of them counted by their share of a group's time, at most
+  ``k`` sequences over ``1 / (k + 1)`` of ``b_p - f_d`` per group (``k = 2, 3, 4``), the memory
   such a slow sequence's group has no time left to fill counted as used, a sequence over half a
   group's memory a group of its own beside those too long to share it (:func:`pair_rows`), a whole
   group per placed sequence, ``sum_d d n_pd <= N`` and ``N T_p >= N f_min +`` its groups'
@@ -54,6 +55,9 @@ Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
 #: member is at least this share of the batch's longest sequence: long members differ in how many
 #: groups they need, short ones fill groups fluidly (and each row costs every re-solve)
 TAIL_SHARE = 1 / 8
+#: per (part, size), rows counting groups by :func:`~planner.count_rows.time_dff` with these ``k``
+#: (the counting row's own function covers ``k = 1``: over half a group's time, one per group)
+PER_GROUP_KS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
@@ -230,8 +234,12 @@ class _StepLP:
                         tails.append((j, works[by], works[by] + tab.fixed[d],
                                       tab.lens[entries[j][5][by]].astype(np.float64), len(mdl.rows)))
                         mdl.rows.append((-math.inf, math.inf, [z], [-1.0]))
+                    per_group = []
+                    for kk in PER_GROUP_KS:  # set per level, like the counting row
+                        per_group.append((len(mdl.rows), kk))
+                        mdl.rows.append((-math.inf, 0.0, [cnt[d]], [-1.0]))
                     self.slow_rows[p][d] = CountRow(row, *map(np.array, zip(*(e[:5] for e in entries))),
-                                                 tails)
+                                                 tails, tuple(per_group))
             if p < k:  # the lifted time rows (coefficients set per probe)
                 last: list[int] = []
                 for j in range(len(sizes)):
