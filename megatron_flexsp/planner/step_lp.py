@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
-from megatron_flexsp.planner.count_rows import CountRow, Shares, pair_rows
+from megatron_flexsp.planner.count_rows import PER_GROUP_KS, CountRow, Shares, pair_rows
 from megatron_flexsp.planner.hot_lp import resolve
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.milp import SolverOutOfTime, SolverTrouble, _Model
@@ -55,9 +55,6 @@ Box = tuple[tuple[float, float], ...]  # (a_p, b_p) per explicit micro-batch, ms
 #: member is at least this share of the batch's longest sequence: long members differ in how many
 #: groups they need, short ones fill groups fluidly (and each row costs every re-solve)
 TAIL_SHARE = 1 / 8
-#: per (part, size), rows counting groups by :func:`~planner.count_rows.time_dff` with these ``k``
-#: (the counting row's own function covers ``k = 1``: over half a group's time, one per group)
-PER_GROUP_KS = (2, 3, 4)
 
 
 @dataclass(frozen=True)
