@@ -30,7 +30,7 @@ import numpy as np
 PAIR_EPS_LOW, PAIR_EPS_STEP = 0.25, 0.01
 #: per (part, size), rows counting groups by :func:`time_dff` with these ``k`` (the counting row's
 #: own function covers ``k = 1``: over half a group's time, one per group); ``k`` of 5-8 more
-#: raised a bound of 64 uniform documents at 256 GPUs by 0.5% and cost each solve a quarter more
+#: raised a bound of 64 uniform documents at 256 GPUs by 0.5% and cost each solve a quarter more time
 PER_GROUP_KS = (2, 3, 4)
 
 
