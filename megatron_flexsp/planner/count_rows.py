@@ -70,8 +70,11 @@ class CountRow:
             self._rows = [t[4] for t in tails]
 
     def update(self, h: highspy.Highs, row: int, values: np.ndarray, key: str) -> None:
-        for k in np.flatnonzero(values != self.last[key]).tolist():
-            h.changeCoeff(row, int(self.cols[k]), float(values[k]))
+        changed = (values != self.last[key]).nonzero()[0]
+        if len(changed):
+            cols = self.cols
+            for k in changed.tolist():
+                h.changeCoeff(row, int(cols[k]), float(values[k]))
         self.last[key] = values
 
     def count(self, h: highspy.Highs, level: float, room: float, heavy: np.ndarray) -> None:
@@ -86,8 +89,10 @@ class CountRow:
         first, a convex function of ``x``: at least ``low x`` (``low``: its lowest count per
         token, in the row) and the tangent at its whole share (slope: the highest count per
         token, through the count of all of them), by ``z`` in the row."""
-        for row, k in self.per_group_rows:  # at most k of a work over room / (k + 1) per group
-            self.update(h, row, time_dff(self.work / room, k) * self.scale, f"per{k}")
+        if self.per_group_rows:  # at most k of a work over room / (k + 1) per group
+            frac = np.minimum(self.work / room, 1.0)
+            for row, k in self.per_group_rows:
+                self.update(h, row, _capped_time_dff(frac, k) * self.scale, f"per{k}")
         fits = heavy & (self.work <= room)
         stars = [float(self.work[fits].min())] if fits.any() else []
         if self.tails:
@@ -115,9 +120,9 @@ class CountRow:
         slope = np.where(tangent, high - low, 0.0)
         rhs = np.where(tangent, high * share - total, math.inf)
         self.update(h, self.row, coef, "slow")
-        for k in np.flatnonzero(slope != self.last["tail"]).tolist():
+        for k in (slope != self.last["tail"]).nonzero()[0].tolist():
             h.changeCoeff(self._rows[k], int(self.cols[self._pos[k]]), float(slope[k]))
-        for k in np.flatnonzero(rhs != self.last["tail_rhs"]).tolist():
+        for k in (rhs != self.last["tail_rhs"]).nonzero()[0].tolist():
             h.changeRowBounds(self._rows[k], -math.inf, float(rhs[k]))
         self.last["tail"], self.last["tail_rhs"] = slope, rhs
 
@@ -168,8 +173,15 @@ def time_dff(frac: np.ndarray, k: int) -> np.ndarray:
     group holds at most ``k`` works over ``1 / (k + 1)`` of it, ``j`` such works count ``1 / k``
     each. Sequences of alike lengths, a few per group, then need whole groups (three works of
     0.29 of the time fill a group: the work row alone would fit 3.4)."""
-    x = np.minimum(np.asarray(frac, dtype=np.float64), 1.0)
-    return np.clip(np.floor((k + 1) * x - 1e-9), 0.0, None) / k
+    return _capped_time_dff(np.minimum(np.asarray(frac, dtype=np.float64), 1.0), k)
+
+
+def _capped_time_dff(x: np.ndarray, k: int) -> np.ndarray:
+    """:func:`time_dff` of shares ``x`` already capped at 1 (the LP's probes call it per ``k``)."""
+    out = np.floor((k + 1) * x - 1e-9)
+    np.maximum(out, 0.0, out=out)
+    out /= k
+    return out
 
 
 def pair_dff(frac: np.ndarray, eps: float) -> np.ndarray:
