@@ -137,7 +137,7 @@ def _place(layout: Layout, tab: Tables, items: list[tuple[int, Group]], v: int, 
     level, free = list(spans), list(free)
     moves: list[tuple[int, Group, Group]] = []
     raised = 0.0
-    fixed, time_l, lens_l = tab.fixed, tab._time_l, tab._lens_l
+    fixed, time_l, lens_l, room = tab.fixed, tab._time_l, tab._lens_l, index.room
     for i, src in sorted(items, key=lambda x: (-lens_l[x[0]], x[0])):
         if deadline is not None and deadline.expired():
             break
@@ -148,8 +148,8 @@ def _place(layout: Layout, tab: Tables, items: list[tuple[int, Group]], v: int, 
         hopes = []
         for key in keys:
             heap = index.heaps[key]
-            if free[key[0]] < size_i or not heap:
-                continue  # no group of that micro-batch has room
+            if free[key[0]] < size_i or not heap or room[key] < size_i:
+                continue  # no group of that micro-batch (or of that class) has room
             t = fixed[key[1]] + heap[0][0] + time_l[key[1]][i]
             hopes.append((max(0.0, t - level[key[0]]), t, key))
         hopes.sort()

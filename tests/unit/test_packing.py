@@ -379,3 +379,43 @@ def test_best_fit_packs_one_micro_batch_validly_and_fills_groups_the_level_famil
     level = min(tab.step_ms(lay) for t in np.geomspace(tab.critical_ms().max(), 2000, 40)
                 if (lay := common_level(packer, items, float(t), 1)) is not None)
     assert tab.mb_ms(mb) < 0.96 * level
+
+
+def test_group_index_passes_over_full_classes_and_sees_room_freed_later():
+    """``GroupIndex.best_fit`` skips a class whose groups have no room without probing them, finds
+    room a removal frees once the group is touched, and agrees with a scan of every group (the
+    least-loaded group with room, or none) across random adds and removals."""
+    from megatron_flexsp.planner.layout import Group, GroupIndex
+
+    cm = _paper_cluster(16)
+    rng = np.random.default_rng(0)
+    lens = rng.integers(200, 9_000, 400)
+    tab = Tables(lens, cm)
+    groups = [Group(d) for d in (1, 1, 1, 2, 2, 4)]
+    index = GroupIndex(tab)
+    for k, g in enumerate(groups):
+        index.add(k % 2, g)
+    placed: dict[int, Group] = {}
+    for step in range(3_000):
+        i = int(rng.integers(len(lens)))
+        if i in placed and rng.random() < 0.5:
+            g = placed.pop(i)
+            tab.remove(g, i)
+            index.touch(g)
+            continue
+        if i in placed:
+            continue
+        for key in sorted(index.classes()):
+            live = [g for g in groups if (groups.index(g) % 2, g.size) == key and tab.fits(g, i)]
+            want = min(live, key=lambda g: (g.load_ms, g.uid)) if live else None
+            got = index.best_fit(key, i)
+            assert (got is None) == (want is None), (step, key)
+            if got is not None:
+                assert tab.fits(got, i) and got.load_ms == want.load_ms
+        key = sorted(index.classes())[step % len(index.classes())]
+        g = index.best_fit(key, i)
+        if g is not None:
+            tab.add(g, i)
+            index.touch(g)
+            placed[i] = g
+    assert len(placed) > 20
