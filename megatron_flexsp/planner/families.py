@@ -21,14 +21,14 @@ Layout = list[list[Group]]
 SETTLE_WITHIN = 0.05
 
 
-def searched_copies(found: list[tuple[float, str, Layout]], tab: Tables, deadline
+def searched_copies(found: list[tuple[float, str, Layout]], tab: Tables, deadline, skip_first: int = 0
                     ) -> dict[int, tuple[float, Layout]]:
     """The local search (:func:`improve_layout`) on a copy of each family's best layout in
-    ``found`` (sorted) within :data:`SETTLE_WITHIN` of the first, until ``deadline``: {id of the
-    layout: (the copy's step ms, the copy)}."""
+    ``found`` (sorted) within :data:`SETTLE_WITHIN` of the first, but the ``skip_first`` best
+    families', until ``deadline``: {id of the layout: (the copy's step ms, the copy)}."""
     limit = found[0][0] * (1 + SETTLE_WITHIN) if found else 0.0
     out: dict[int, tuple[float, Layout]] = {}
-    for ms, name, layout in family_bests(found, exclude=set()):
+    for ms, name, layout in family_bests(found, exclude=set())[skip_first:]:
         if ms > limit or deadline.expired():
             break
         copy = tab.clone_layout(layout)
