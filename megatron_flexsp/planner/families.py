@@ -1,17 +1,13 @@
-"""Which of the search families' layouts the polishing works on.
-
-The search (:mod:`planner.search`) yields layouts from several families; the polishing
-(:mod:`planner.polish`) settles a few of them. Each layout is taken once (:func:`distinct`), and
-every family's best is ranked by a copy given the local search (:func:`searched_copies`): the
-local search moves some families far, and settling (re-packing first) takes tenths of a second a
-layout at 1,024 GPUs, so only the layouts that rank first are settled.
+"""The search families' layouts as the polishing (:mod:`planner.polish`) takes them: each layout
+once (:func:`distinct`), each family's best (:func:`family_bests`), a family's name without its
+variant (:func:`family`).
 """
 
 from __future__ import annotations
 
-from megatron_flexsp.planner.layout import Group, Tables, improve_layout
+from megatron_flexsp.planner.layout import Group
 
-__all__ = ["distinct", "family", "family_bests", "kept", "searched_copies"]
+__all__ = ["SETTLE_WITHIN", "distinct", "family", "family_bests"]
 
 Layout = list[list[Group]]
 #: Polishing settles another family's best layout (after the two best) only within this share of
@@ -19,29 +15,6 @@ Layout = list[list[Group]]
 #: out best were at most 1.6% behind before it (0.6% and 1.4% where settling moved a third family
 #: to the front), while settling one takes tenths of a second at 1,024 GPUs
 SETTLE_WITHIN = 0.05
-
-
-def searched_copies(found: list[tuple[float, str, Layout]], tab: Tables, deadline, skip_first: int = 0
-                    ) -> dict[int, tuple[float, Layout]]:
-    """The local search (:func:`improve_layout`) on a copy of each family's best layout in
-    ``found`` (sorted) within :data:`SETTLE_WITHIN` of the first, but the ``skip_first`` best
-    families', until ``deadline``: {id of the layout: (the copy's step ms, the copy)}."""
-    limit = found[0][0] * (1 + SETTLE_WITHIN) if found else 0.0
-    out: dict[int, tuple[float, Layout]] = {}
-    for ms, name, layout in family_bests(found, exclude=set())[skip_first:]:
-        if ms > limit or deadline.expired():
-            break
-        copy = tab.clone_layout(layout)
-        improve_layout(copy, tab, deadline=deadline)
-        out[id(layout)] = (tab.step_ms(copy), copy)
-    return out
-
-
-def kept(settled: tuple[float, str, Layout], copy: tuple[float, Layout] | None) -> tuple[float, str, Layout]:
-    """The settled layout, or the searched copy of it from before settling where that is faster."""
-    if copy is not None and copy[0] < settled[0]:
-        return copy[0], settled[1], copy[1]
-    return settled
 
 
 def distinct(found: list[tuple[float, str, Layout]]) -> list[tuple[float, str, Layout]]:

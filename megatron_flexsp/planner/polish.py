@@ -34,15 +34,13 @@ array operations), and the deadline is checked between tries.
 
 from __future__ import annotations
 
-import math
 import time
 
 import numpy as np
 
 from megatron_flexsp.planner.drain import DRAIN_TRIES, drain_micro_batches, shed_slowest_groups
 from megatron_flexsp.planner.exchange import balance_groups
-from megatron_flexsp.planner.families import (SETTLE_WITHIN, distinct, family, family_bests, kept,
-                                              searched_copies)
+from megatron_flexsp.planner.families import SETTLE_WITHIN, distinct, family, family_bests
 from megatron_flexsp.planner.layout import Group, Tables, improve_layout, mb_items
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.reseed import reseed_micro_batches
@@ -242,7 +240,7 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
 
 
 def search_runners_up(candidates: list[tuple[float, str, Layout]], tab: Tables, deadline,
-                      within: float = 0.02, runners: int = 2) -> int:
+                      within: float = 0.02, runners: int = 3) -> int:
     """The local search (:func:`improve_layout`) on the ``runners`` candidates next to the best
     (step ms, name, layout) that are within ``within`` of it, in place, each in a quarter of the
     time to ``deadline``; their step times are updated, so the choice of the plan to touch up
@@ -275,20 +273,19 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     """Polish the search's layouts ``found`` (step ms, family, layout; best first) until
     ``deadline``, in shares of the time left: the best layout of each of the three best families
     drains its shortest micro-batches into the others' free memory (a quarter; groups first was
-    drained in the search); every family's best within :data:`SETTLE_WITHIN` of the best gets
-    the local search on a copy (to 35%), and the layouts are ranked by the better of each and its
-    copy, since the local search moves some families far (a Pareto-tailed step of 4,096 documents
-    at 64 GPUs: the common-level layout was fourth of four families before it and 3.2% ahead
-    after it; ranked as they came, the others' settling left it none of the time at 3 s, and the
-    plan was 3% slower than at 1 s); the best merges its tail (:func:`merge_tail`, to a half);
-    the best and the best of another family (the variants of one family, ``stuffed+split`` and
+    drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the best and
+    the best of another family (the variants of one family, ``stuffed+split`` and
     ``stuffed+groups``, share their first micro-batch) have every micro-batch re-packed at its
-    smallest level where that is faster (:meth:`LevelPacker.repack`), the local search and
-    exchanges (:func:`balance_groups`; to 60%: at 80% the tail's first try, 0.2 s at 1,024 GPUs,
-    ran out of time one run in three there, and those plans were 2-2.8% slower), each settled
-    from where it was and its copy kept where faster; then the best layout of each other family
-    whose copy is within :data:`SETTLE_WITHIN` of the best, the same way, in at most half the
-    time the two left;
+    smallest level where that is faster
+    (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 60%:
+    at 80% the tail's first try, 0.2 s at 1,024 GPUs, ran out of time one run in three there, and
+    those plans were 2-2.8% slower);
+    then the best layout of each other family within :data:`SETTLE_WITHIN` of the best, in at
+    most half the time the two left, ranked by a copy given the local search alone and settled
+    from where it was, the copy kept where faster (the local search moves some families far: a
+    Pareto-tailed step of 4,096 documents at 64 GPUs had its common-level layout fourth of five
+    families before it and 2.3% ahead of the others after it; at 4 s a stuffed family had pushed
+    it out of the layouts searched, and the plan was 2.4% slower than at 1 s);
     the best has its tail re-planned (:func:`~planner.tail.replan_tail`, half the time left), its
     slowest micro-batches split in two (:func:`split_slowest`) and re-splits pairs
     (:func:`resplit_pairs`, the rest). Returns the polished layouts and
@@ -316,39 +313,30 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
             info.setdefault("drained", {})[name] = drained
             found[k] = (tab.step_ms(layout), name, layout)
     found.sort(key=lambda c: c[0])
-    # every family's best gets the local search on a copy first (milliseconds each): it moves some
-    # layouts far, so the two settled below are chosen by the better of each layout and its copy;
-    # layouts are settled from where they were (re-packing first), the copy kept where faster
-    copies = searched_copies(found, tab, until(0.35), skip_first=1)  # the best is settled anyway
-    info["searched_first"] = len(copies)
-
-    def ranked(c: tuple[float, str, Layout]) -> float:
-        return min(c[0], copies.get(id(c[2]), (math.inf,))[0])
-
-    found.sort(key=ranked)
-    limit = ranked(found[0]) * (1 + SETTLE_WITHIN) if found else 0.0
     other = next((k for k in range(1, len(found)) if family(found[k][1]) != family(found[0][1])), 0)
     if other > 1:  # the two settled below: the best and the best of another family
         found.insert(1, found.pop(other))
-    settled_copies = [copies.get(id(layout)) for _, _, layout in found[:2]]
     if found:
         info["merged"] = merge_tail(found[0][2], packer, until(0.5))
     out = []
     end = until(0.6)
     for n_done, (ms, name, layout) in enumerate(found[:2]):
         share = end.capped(time.perf_counter() + max(end.left(), 0.0) / (2 - n_done))
-        out.append(kept(_settled(name, layout, packer, share, info), settled_copies[n_done]))
+        out.append(_settled(name, layout, packer, share, info))
     # then the best layout of each other family within SETTLE_WITHIN of the best, in at most half
-    # the time the two left (the best's re-splits keep the rest), ranked by their copies
+    # the time the two left (the best's re-splits keep the rest): the local search moves some
+    # layouts far, so they are ranked by a copy searched alone (milliseconds, where re-packing
+    # takes tenths of a second), and each is settled from where it was (re-packing first), the
+    # copy kept where it is faster
     end = end.capped(time.perf_counter() + 0.5 * max(deadline.left(), 0.0))
+    limit = found[0][0] * (1 + SETTLE_WITHIN) if found else 0.0
     others = []
     for ms, name, layout in family_bests(found[2:], exclude={name for _, name, _ in found[:2]}):
-        if id(layout) not in copies:
-            if ms > limit or end.expired():
-                continue
-            copies.update(searched_copies([(ms, name, layout)], tab, end))
-        if id(layout) in copies and copies[id(layout)][0] <= limit:
-            others.append((copies[id(layout)][0], name, layout, copies[id(layout)][1]))
+        if ms > limit or end.expired():
+            break
+        copy = tab.clone_layout(layout)
+        improve_layout(copy, tab, deadline=end)
+        others.append((tab.step_ms(copy), name, layout, copy))
     others.sort(key=lambda c: c[0])
     rest = []
     for searched_ms, name, layout, copy in others:
