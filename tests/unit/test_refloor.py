@@ -184,3 +184,44 @@ def test_repacking_the_fastest_micro_batches_by_memory():
     sets = [_seq_sets(mb) for mb in layout]
     assert repack_tail(layout, tab, Deadline()) == 0
     assert [_seq_sets(mb) for mb in layout] == sets
+
+
+def test_a_long_bound_window_keeps_half_for_the_wide_units(monkeypatch):
+    """With at least ``WIDE_SPLIT_S`` left, the first pass (the small set of units) ends at half
+    the time and, unconverged, hands over to the wide units (which then search to the deadline,
+    without the stall hook, which belongs to the first pass); with less time left the first pass
+    has it all (at 1 s a split weakened 64-GPU bounds: -0.066% +- 0.053% over 56 batches). A
+    stalled first pass (stopped before its deadline) still ends the search."""
+    import time
+
+    from megatron_flexsp.planner import bound as B
+
+    cm = _paper_cluster(64)
+    tab = Tables(_batch("lognormal-4k", 256, cm), cm)
+    small, wide = B.bound_units(tab), B.bound_units(tab, **B.WIDE_UNITS)
+    assert len(wide) > len(small)
+    seen = []
+
+    def fake_search(self, max_solves, stall=False):  # records each pass, runs to its deadline
+        seen.append((len(self.units), self.deadline.left(), self.refloor is not None))
+        if stall:
+            return False
+        while not self.deadline.expired():
+            time.sleep(0.005)
+        return False
+
+    monkeypatch.setattr(B._Counts, "search", fake_search)
+    target = 1e9
+    B.lp_step_bound(tab, target_ms=target, max_solves=10_000, deadline=Deadline(B.WIDE_SPLIT_S + 0.2),
+                    refloor=lambda: None)
+    assert [(u, r) for u, _, r in seen] == [(len(small), True), (len(wide), False)]
+    assert seen[0][1] < 0.5 * (B.WIDE_SPLIT_S + 0.2) + 0.05 and seen[1][1] > 0.4 * B.WIDE_SPLIT_S
+
+    seen.clear()
+    B.lp_step_bound(tab, target_ms=target, max_solves=10_000, deadline=Deadline(0.3))
+    assert [u for u, _, _ in seen] == [len(small)]  # short window: all of it to the first pass
+
+    seen.clear()
+    monkeypatch.setattr(B._Counts, "search", lambda self, n: fake_search(self, n, stall=True))
+    B.lp_step_bound(tab, target_ms=target, max_solves=10_000, deadline=Deadline(B.WIDE_SPLIT_S + 0.2))
+    assert [u for u, _, _ in seen] == [len(small)]
