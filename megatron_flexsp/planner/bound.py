@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,11 +34,6 @@ log = get_logger(__name__)
 #: :func:`lp_step_bound` calls its ``refloor`` once its searches have taken this many LP solves
 #: without raising the lowest bound (on 64-GPU steps where they raise it, they had within 12-21)
 REFLOOR_AFTER = 24
-#: the share of :func:`lp_step_bound`'s time kept for its second pass (:data:`WIDE_UNITS`), where
-#: at least ``WIDE_SPLIT_S`` seconds are left (at 64 GPUs and 1 s, 0.26 s, a split weakened bounds
-#: by 0.066% +- 0.053% over 56 batches: the small units' pass needs all of it there)
-WIDE_SHARE = 0.5
-WIDE_SPLIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -115,11 +109,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     The LP places :func:`bound_units`' small set of units first (quick solves); once that pass
     has converged below the target with time left, every count is searched again with
     :data:`WIDE_UNITS` (more sequences placed one by one), from the explicit micro-batches and
-    slowest makespans where the first pass ended and above what it proved. With at least
-    :data:`WIDE_SPLIT_S` to ``deadline``, the first pass ends at the share (1 - :data:`WIDE_SHARE`)
-    of it, converged or not (the second lognormal-4k step of 8,192 documents at 1,024 GPUs: the
-    small units' pass crept from 14,954 to 14,970 ms between 100 and 600 solves, where the
-    wide units alone had 14,996 ms at 100; with 1.6 s, 14,968 ms as one pass and 14,999 ms split).
+    slowest makespans where the first pass ended and above what it proved.
     ``target_ms`` (the best plan) caps the result.
     Past ``deadline`` the counts not reached keep their floors, so the result stays valid.
     ``count_floor``: bounds already proven for plans of a given count (e.g. the slot bound's,
@@ -146,16 +136,12 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     small, wide = bound_units(tab), bound_units(tab, **WIDE_UNITS)
     same = len(small) == len(wide) and all(sa == sb and np.array_equal(a, b)
                                            for (a, sa), (b, sb) in zip(small, wide))
-    passes = (small,) if same else (small, wide)
-    for n_pass, units in enumerate(passes):
-        until = deadline
-        if n_pass + 1 < len(passes) and deadline is not None and deadline.left() >= WIDE_SPLIT_S:
-            until = deadline.capped(time.perf_counter() + (1 - WIDE_SHARE) * deadline.left())
+    for units in (small,) if same else (small, wide):
         run = _Counts(tab, units, target_ms=target_ms, max_extra=max_extra, rel_tol=rel_tol,
-                      deadline=until, max_explicit=max_explicit, switch_after=switch_after,
+                      deadline=deadline, max_explicit=max_explicit, switch_after=switch_after,
                       count_floor=proven, beyond_floor=beyond_floor, hints=hints,
                       refine_above=refine_above, floors=floors, start=start, explicit=explicit)
-        if refloor is not None and n_pass == 0:
+        if refloor is not None:
             run.refloor, run.refloor_after = refloor, refloor_after
         converged = run.search(max_solves - solves)
         if run.refloor is None:
@@ -164,8 +150,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         if run.found:
             found = run.found
         result = run.result(solves, prev=result)
-        stalled = not converged and not _late(until)
-        if stalled or result.bound_ms >= target_ms * (1 - rel_tol) or _late(deadline) or solves >= max_solves:
+        if not converged or result.bound_ms >= target_ms * (1 - rel_tol) or _late(deadline):
             break
         proven = {c: max(v, proven.get(c, 0.0)) for c, v in result.by_count}
         beyond_floor = max(beyond_floor, result.rest_ms)
