@@ -61,7 +61,7 @@ class GroupIndex:
         self.version[g.uid] = v
         key = (self.where[g.uid], g.size)
         free = self.tab.cap[g.size] - g.tokens
-        if free > self.room.get(key, -1):
+        if free > self.room.get(key, free - 1):  # (a group over its memory has none: negative)
             self.room[key] = free
         heapq.heappush(self.heaps.setdefault(key, []), (g.load_ms, g.uid, v, g))
 
