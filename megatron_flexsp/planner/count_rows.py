@@ -70,11 +70,8 @@ class CountRow:
             self._rows = [t[4] for t in tails]
 
     def update(self, h: highspy.Highs, row: int, values: np.ndarray, key: str) -> None:
-        changed = (values != self.last[key]).nonzero()[0]
-        if len(changed):
-            cols = self.cols
-            for k in changed.tolist():
-                h.changeCoeff(row, int(cols[k]), float(values[k]))
+        for k in (values != self.last[key]).nonzero()[0].tolist():
+            h.changeCoeff(row, int(self.cols[k]), float(values[k]))
         self.last[key] = values
 
     def count(self, h: highspy.Highs, level: float, room: float, heavy: np.ndarray) -> None:
