@@ -486,7 +486,6 @@ def test_polishing_settles_the_best_of_another_family_second():
     assert sorted(info["repacked"]) == ["level", "stuffed+groups", "stuffed+split"]
 
 
-
 def test_runners_up_the_local_search_leaves_as_they_were_do_not_count():
     """Candidates already searched (a round finds no move) do not use up the runners-up: the
     search goes on to the next within reach, here a raw layout that the local search takes over
