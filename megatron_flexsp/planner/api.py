@@ -178,7 +178,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if dcp is not None:
         candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     info["homogeneous_time_s"] = deadline.elapsed()
-    slot = _slot_lp(tab, cfg, info)
+    slot = slot_lp(tab, cfg, info)
     rounded = []
     if slot is not None:  # the slot LP's placement, rounded to one size per sequence and packed
         layout = pack_at_sizes(tab, slot.sizes)
@@ -216,16 +216,10 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if cfg.bound_lp_solves > 0 and bound < best_ms * (1 - cfg.rel_gap):
         t0 = time.perf_counter()
         guided_end = _phase(deadline, cfg, ends["guided"])
-        last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
         bound_end = _phase(deadline, cfg, ends["bound"])
-        lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves,
-                           max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap,
-                           deadline=bound_end,
-                           refloor=_finer_slot(tab, cfg, info, bound_end) if slot is not None else None,
-                           count_floor=slot.by_count if slot is not None else None,
-                           beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0,
+        lp = lp_step_bound(tab, target_ms=best_ms, max_solves=cfg.bound_lp_solves, deadline=bound_end,
                            hints=GUIDED_HINTS, refine_above=_milp_covers(candidates, cfg),
-                           floors=bounds.floors, hint_deadline=guided_end)
+                           hint_deadline=guided_end, **lp_bound_inputs(tab, cfg, info, slot, bounds, bound_end))
         info.update(lp_bound_ms=lp.bound_ms, lp_solves=lp.lp_solves, lp_time_s=time.perf_counter() - t0)
         bound = max(bound, lp.bound_ms)
         if not bound_end.expired():  # the searches ended early (stalled or converged): the plan gets the rest
@@ -263,6 +257,19 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     info["time_budget_s"] = cfg.time_budget_s
     return to_step_plan(layout, tab, strategy="flexsp", method=method, lower_bound_ms=min(bound, best_ms),
                         info=info, bucketing_error=info.get("bucketing_error", 0.0))
+
+
+def lp_bound_inputs(tab: Tables, cfg: PlannerConfig, info: dict, slot: SlotLP | None,
+                    bounds: SimpleBounds, deadline: Deadline) -> dict:
+    """The arguments of :func:`~planner.bound.lp_step_bound` that the planner derives from the
+    configuration and the bounds before it: the counts searched, the tolerance, the slot LP's
+    floors (per count and past the counts searched) and its finer re-solve (``refloor``, within
+    ``deadline``), the step floors. ``scripts/bench_bound.py`` calls the bound with them too."""
+    last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
+    return dict(max_extra=cfg.max_extra_micro_batches, rel_tol=cfg.rel_gap, floors=bounds.floors,
+                refloor=_finer_slot(tab, cfg, info, deadline) if slot is not None else None,
+                count_floor=slot.by_count if slot is not None else None,
+                beyond_floor=slot.at_least(last + 1) if slot is not None else 0.0)
 
 
 def _milp_covers(candidates: list, cfg: PlannerConfig) -> int:
@@ -316,7 +323,7 @@ def _slot_counts(tab: Tables, cfg: PlannerConfig) -> tuple[int, ...]:
     return tuple(range(m_min, m_min + cfg.max_extra_micro_batches + 2))
 
 
-def _slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:
+def slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:
     """The slot bound's LP (:mod:`slot_bound`, tens of milliseconds), with its value at each count
     the LP bound searches and the one after; None when HiGHS fails it."""
     t0 = time.perf_counter()

@@ -210,6 +210,37 @@ def test_paired_benchmark_pairs_each_batch_with_the_baseline_run(tmp_path):
     assert "no common batches" in md
 
 
+def test_bound_benchmark_is_deterministic_and_never_falls_with_more_solves(tmp_path):
+    """``scripts/bench_bound.py`` on one small cell: the target plans are made once and kept in the
+    targets file; the bound after a number of LP solves depends on the batch alone (a second run
+    gives the same gaps), never lies above the target plan and never falls as the solves grow."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "scripts" / "bench_bound.py"
+    targets = tmp_path / "targets.json"
+
+    def run(out):
+        subprocess.run([sys.executable, str(script), "--cells", "lognormal-1k:256", "--batches", "2",
+                        "--solves", "2,10,60", "--budget", "0.3", "--targets", str(targets),
+                        "--out", str(tmp_path / out), "--md", str(tmp_path / "bound.md")],
+                       check=True, capture_output=True, text=True)
+        return json.loads((tmp_path / out).read_text())["batches"]
+
+    first = run("a.json")
+    kept = targets.read_text()
+    assert len(json.loads(kept)) == 2
+    assert run("b.json") == first and targets.read_text() == kept
+    for b in first:
+        gaps = [b["gap_by_solves"][s] for s in ("2", "10", "60")]
+        assert gaps[-1] >= -1e-9 and gaps[0] >= gaps[1] >= gaps[2], b
+    # the solves are what stops the bound: on one batch two solves prove far less than sixty
+    assert max(b["gap_by_solves"]["2"] - b["gap_by_solves"]["60"] for b in first) > 0.01
+    assert "| all | 2 |" in (tmp_path / "bound.md").read_text()
+
+
 def test_paired_benchmark_side_by_side_plans_every_batch_with_both_trees_in_turn(tmp_path):
     """``--against`` with a folder (here this checkout itself, so both sides run the same code): every
     batch planned by both worker processes at every repeat, which goes first alternating; the same

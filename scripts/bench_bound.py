@@ -1,0 +1,122 @@
+#!/usr/bin/env python
+"""LP bound benchmark by solve count: how high the planner's LP bound gets, without a clock.
+
+Within the planner the LP bound gets a share of a wall-clock budget, so what it proves moves with
+the machine's speed and with every phase before it, and a change to the relaxation is hard to tell
+from noise (`bench_planner_paired.py` needs several repeats to see 0.1%). Here the bound runs alone,
+as the planner runs it (:func:`~megatron_flexsp.planner.api.lp_bound_inputs`: the same counts,
+tolerance, slot LP floors, finer slot LP and step floors), stopped after a number of LP solves
+instead of a deadline: the result depends on the batch and the code alone. Each batch's gap is
+taken against a fixed plan: the planner's plan at ``--budget`` seconds, made once and kept in
+``--targets`` (a JSON file, written when missing), so two trees measured with the same targets
+file compare bound against bound. ``--explicit 3`` starts every count's search with three
+explicit micro-batches (the planner's second, deeper search).
+
+    python scripts/bench_bound.py --solves 100,250,1000 --targets out/bound_targets.json --out out/bench_bound.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from megatron_flexsp.config import PlannerConfig  # noqa: E402
+from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
+from megatron_flexsp.model_spec import get_model  # noqa: E402
+from megatron_flexsp.planner import plan_step  # noqa: E402
+from megatron_flexsp.planner.api import lp_bound_inputs, simple_bounds, slot_lp  # noqa: E402
+from megatron_flexsp.planner.bound import lp_step_bound  # noqa: E402
+from megatron_flexsp.planner.layout import Tables  # noqa: E402
+from megatron_flexsp.planner.search import Deadline  # noqa: E402
+from megatron_flexsp.sim import simulate  # noqa: E402
+from megatron_flexsp.utils.report import header_lines, machine_speed, provenance, write_outputs  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_planner_paired import sample  # noqa: E402
+
+#: (corpus, global batch) at 64 GPUs: the sweep cells whose median gap is above 2% at 1 s
+CELLS = "github:2048,lognormal-4k:512,lognormal-4k:1024,lognormal-4k:2048,pareto-1.1:4096"
+
+
+def _args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cells", default=CELLS, help="corpus:global_batch,... (default: %(default)s)")
+    ap.add_argument("--gpus", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=4, help="batches per cell")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="a100-paper")
+    ap.add_argument("--model", default="gpt-7b")
+    ap.add_argument("--max-seq-len", type=int, default=196608)
+    ap.add_argument("--solves", default="100,250,1000", help="LP solve counts to stop at")
+    ap.add_argument("--explicit", type=int, default=1, help="explicit micro-batches every search starts with")
+    ap.add_argument("--budget", type=float, default=1.0, help="planner budget (s) of the target plans")
+    ap.add_argument("--targets", default="out/bound_targets.json", help="target plans' step times (kept)")
+    ap.add_argument("--out", default="out/bench_bound.json")
+    ap.add_argument("--md", default=None)
+    return ap.parse_args(argv)
+
+
+def bound_after(tab: Tables, target_ms: float, solves: int, explicit: int) -> float:
+    """The planner's lower bound (ms) on ``tab``'s batch once the LP bound has taken ``solves`` LP
+    solves: the slot bound, the step floors and the LP bound as :func:`plan_step` combines them."""
+    cfg, info = PlannerConfig(), {}
+    slot, bounds = slot_lp(tab, cfg, info), simple_bounds(tab)
+    bound = bounds.base if slot is None else max(bounds.base, min(slot.bound_ms, target_ms))
+    lp = lp_step_bound(tab, target_ms=target_ms, max_solves=solves, explicit=explicit,
+                       **lp_bound_inputs(tab, cfg, info, slot, bounds, Deadline(1e9)))
+    return max(bound, lp.bound_ms)
+
+
+def main(argv=None) -> int:
+    args = _args(argv)
+    solves = [int(s) for s in args.solves.split(",")]
+    cm = CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
+                                max_seq_len=args.max_seq_len)
+    cells = sample(args)
+    path = Path(args.targets)
+    targets = json.loads(path.read_text()) if path.exists() else {}
+    rows, per_batch = [], []
+    t_start = time.perf_counter()
+    for (corpus, gb), batches in cells.items():
+        gaps = np.zeros((len(batches), len(solves)))
+        for k, lens in enumerate(batches):
+            key = f"{args.gpus}:{corpus}:{gb}:{k}"
+            if key not in targets:
+                cfg = PlannerConfig(over_length="truncate", time_budget_s=args.budget)
+                plan = plan_step(lens, cm, strategy="flexsp", config=cfg, max_seq_len=args.max_seq_len)
+                targets[key] = simulate(plan, cm).step_ms
+            tab = Tables(np.asarray(lens), cm)
+            for j, s in enumerate(solves):
+                gaps[k, j] = targets[key] / bound_after(tab, targets[key], s, args.explicit) - 1
+            per_batch.append({"cell": f"{corpus}:{gb}", "batch": k, "target_ms": targets[key],
+                              "gap_by_solves": dict(zip(map(str, solves), gaps[k].tolist()))})
+            print(f"{corpus}:{gb} batch {k}: " + ", ".join(f"{s} solves {g:.2%}" for s, g in zip(solves, gaps[k])),
+                  flush=True)
+        rows.append([f"{corpus}:{gb}", len(batches)] + [f"{g:.2%}" for g in gaps.mean(axis=0)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(targets, indent=1))
+    means = np.array([[b["gap_by_solves"][str(s)] for s in solves] for b in per_batch]).mean(axis=0)
+    rows.append(["all", len(per_batch)] + [f"{g:.2%}" for g in means])
+    lines = header_lines("LP bound by solve count", provenance(
+        gpus=args.gpus, explicit=args.explicit, targets=f"{args.targets} (plans at {args.budget:g} s)",
+        machine=machine_speed()))
+    lines += ["Mean gap of each cell's batches against the target plans, by the LP solves the bound took.", "",
+              "| cell | batches | " + " | ".join(f"{s} solves" for s in solves) + " |",
+              "|---|---|" + "---|" * len(solves)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    print("\n".join(lines[-len(rows) - 2:]))
+    write_outputs(args.out, {"solves": solves, "explicit": args.explicit, "batches": per_batch,
+                             "seconds": time.perf_counter() - t_start}, args.md, lines)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
