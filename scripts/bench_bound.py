@@ -9,11 +9,13 @@ tolerance, slot LP floors, finer slot LP and step floors), stopped after a numbe
 instead of a deadline: the result depends on the batch and the code alone. Each batch's gap is
 taken against a fixed plan: the planner's plan at ``--budget`` seconds, made once and kept in
 ``--targets`` (a JSON file, written when missing), so two trees measured with the same targets
-file compare bound against bound. ``--explicit 1,3`` runs the bound twice: every count's search
+file compare bound against bound (the targets of `docs/planner-bound.md` are kept beside it, in
+`docs/planner-bound-targets.json`). ``--explicit 1,3`` runs the bound twice: every count's search
 starting with one explicit micro-batch (as the planner's first search) and with three (its
 second, deeper search).
 
-    python scripts/bench_bound.py --solves 100,250,1000 --targets out/bound_targets.json --out out/bench_bound.json
+    python scripts/bench_bound.py --solves 100,250,1000 --targets docs/planner-bound-targets.json \
+        --md docs/planner-bound.md --out out/bench_bound.json
 """
 
 from __future__ import annotations
@@ -59,7 +61,8 @@ def _args(argv=None) -> argparse.Namespace:
     ap.add_argument("--solves", default="100,250,1000", help="LP solve counts to stop at")
     ap.add_argument("--explicit", default="1,3", help="explicit micro-batches every search starts with, one run each")
     ap.add_argument("--budget", type=float, default=1.0, help="planner budget (s) of the target plans")
-    ap.add_argument("--targets", default="out/bound_targets.json", help="target plans' step times (kept)")
+    ap.add_argument("--targets", default="out/bound_targets.json",
+                    help="target plans' step times (ms), made where missing and kept")
     ap.add_argument("--out", default="out/bench_bound.json")
     ap.add_argument("--md", default=None)
     return ap.parse_args(argv)
