@@ -9,7 +9,7 @@ from megatron_flexsp.config import PlannerConfig
 from megatron_flexsp.plan import validate_plan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner import plan_step
-from megatron_flexsp.planner.api import _finer_slot, _slot_lp
+from megatron_flexsp.planner.api import _finer_slot, slot_lp
 from megatron_flexsp.planner.bound import _Counts, bound_units, lp_step_bound
 from megatron_flexsp.planner.floors import step_floors
 from megatron_flexsp.planner.layout import Tables
@@ -82,7 +82,7 @@ def test_the_finer_slot_lp_raises_the_bound_of_a_step_of_many_micro_batches():
     cm = _paper_cluster(256)
     tab = Tables(_batch("lognormal-16k", 2048, cm), cm)
     cfg, info = PlannerConfig(), {}
-    slot = _slot_lp(tab, cfg, info)
+    slot = slot_lp(tab, cfg, info)
     got = _finer_slot(tab, cfg, info, Deadline(60.0))()
     assert got is not None
     by_count, beyond = got
@@ -148,7 +148,7 @@ def test_searches_stalled_at_the_slot_bound_go_on_deeper_with_the_time_they_left
                            max_seq_len=196608)[0][1]
     tab = Tables(np.minimum(batch, cm.max_tokens), cm)
     cfg, info = PlannerConfig(), {}
-    slot = _slot_lp(tab, cfg, info)
+    slot = slot_lp(tab, cfg, info)
     last = H.min_micro_batches(tab) + cfg.max_extra_micro_batches
     kw = dict(target_ms=27_944.0, max_extra=cfg.max_extra_micro_batches)
     first = lp_step_bound(tab, max_solves=300, deadline=Deadline(60.0),
