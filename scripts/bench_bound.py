@@ -68,15 +68,17 @@ def _args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def bound_after(tab: Tables, target_ms: float, solves: int, explicit: int) -> float:
-    """The planner's lower bound (ms) on ``tab``'s batch once the LP bound has taken ``solves`` LP
-    solves: the slot bound, the step floors and the LP bound as :func:`plan_step` combines them."""
+def bounds_after(tab: Tables, target_ms: float, runs: list[tuple[int, int]]) -> list[float]:
+    """The planner's lower bound (ms) on ``tab``'s batch once the LP bound, its searches starting
+    with ``e`` explicit micro-batches, has taken ``s`` LP solves, for each ``(e, s)`` of ``runs``:
+    the slot bound, the step floors and the LP bound as :func:`plan_step` combines them (the slot
+    LP and the step floors are solved once for all runs)."""
     cfg, info = PlannerConfig(), {}
     slot, bounds = slot_lp(tab, cfg, info), simple_bounds(tab)
     bound = bounds.base if slot is None else max(bounds.base, min(slot.bound_ms, target_ms))
-    lp = lp_step_bound(tab, target_ms=target_ms, max_solves=solves, explicit=explicit,
-                       **lp_bound_inputs(tab, cfg, info, slot, bounds, Deadline(1e9)))
-    return max(bound, lp.bound_ms)
+    return [max(bound, lp_step_bound(tab, target_ms=target_ms, max_solves=s, explicit=e,
+                                     **lp_bound_inputs(tab, cfg, info, slot, bounds, Deadline(1e9))).bound_ms)
+            for e, s in runs]
 
 
 def main(argv=None) -> int:
@@ -99,8 +101,7 @@ def main(argv=None) -> int:
                 plan = plan_step(lens, cm, strategy="flexsp", config=cfg, max_seq_len=args.max_seq_len)
                 targets[key] = simulate(plan, cm).step_ms
             tab = Tables(np.asarray(lens), cm)
-            for j, (e, s) in enumerate(runs):
-                gaps[k, j] = targets[key] / bound_after(tab, targets[key], s, e) - 1
+            gaps[k] = [targets[key] / b - 1 for b in bounds_after(tab, targets[key], runs)]
             per_batch.append({"cell": f"{corpus}:{gb}", "batch": k, "target_ms": targets[key],
                               "gap": {f"{e}:{s}": g for (e, s), g in zip(runs, gaps[k].tolist())}})
             print(f"{corpus}:{gb} batch {k}: " + ", ".join(f"{e} explicit, {s} solves {g:.2%}"
