@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from megatron_flexsp.cost_model import CostModel
-from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.plan import GroupPlan, StepPlan
 from megatron_flexsp.planner.bound import step_bound
 from megatron_flexsp.planner.bucketing import Buckets
 from megatron_flexsp.planner.layout import Group, Tables
@@ -76,7 +76,7 @@ def micro_batch_gaps(plan: StepPlan, cm: CostModel, *, lp_solves: int = 400, exa
         if not idx:
             continue
         tab = Tables(lens[idx], cm)
-        layout = [_groups(tab, [(g.size, g.seqs) for g in groups], {i: k for k, i in enumerate(idx)})]
+        layout = [_groups(tab, groups, {i: k for k, i in enumerate(idx)})]
         makespan = tab.step_ms(layout)
         lp = step_bound(tab, 1, target_ms=makespan, t1_lo=0.0, max_solves=lp_solves).bound_ms
         row = MicroBatchGap(j, len(idx), float(lens[idx].sum()) / (n * cm.capacity_tokens), makespan, lp)
@@ -91,11 +91,12 @@ def micro_batch_gaps(plan: StepPlan, cm: CostModel, *, lp_solves: int = 400, exa
     return out
 
 
-def _groups(tab: Tables, groups: list[tuple[int, tuple[int, ...]]], where: dict[int, int]) -> list[Group]:
+def _groups(tab: Tables, groups: list[GroupPlan], where: dict[int, int]) -> list[Group]:
+    """The planner's groups of ``groups``, their sequences renumbered by ``where`` into ``tab``."""
     made = []
-    for size, seqs in groups:
-        g = Group(size)
-        for i in seqs:
+    for gp in groups:
+        g = Group(gp.size)
+        for i in gp.seqs:
             tab.add(g, where[i])
         made.append(g)
     return made
