@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -36,7 +37,8 @@ from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
 from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.planner.api import lp_bound_inputs, simple_bounds, slot_lp  # noqa: E402
-from megatron_flexsp.planner.bound import lp_step_bound  # noqa: E402
+from megatron_flexsp.planner.bound import BoundResult, lp_step_bound  # noqa: E402
+from megatron_flexsp.planner.heuristics import min_micro_batches  # noqa: E402
 from megatron_flexsp.planner.layout import Tables  # noqa: E402
 from megatron_flexsp.planner.search import Deadline  # noqa: E402
 from megatron_flexsp.sim import simulate  # noqa: E402
@@ -68,17 +70,34 @@ def _args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def bounds_after(tab: Tables, target_ms: float, runs: list[tuple[int, int]]) -> list[float]:
+def bounds_after(tab: Tables, target_ms: float, runs: list[tuple[int, int]]) -> list[tuple[float, BoundResult]]:
     """The planner's lower bound (ms) on ``tab``'s batch once the LP bound, its searches starting
     with ``e`` explicit micro-batches, has taken ``s`` LP solves, for each ``(e, s)`` of ``runs``:
     the slot bound, the step floors and the LP bound as :func:`plan_step` combines them (the slot
-    LP and the step floors are solved once for all runs)."""
+    LP and the step floors are solved once for all runs); with each the LP bound's result, whose
+    ``by_count`` says which micro-batch count the bound comes from."""
     cfg, info = PlannerConfig(), {}
     slot, bounds = slot_lp(tab, cfg, info), simple_bounds(tab)
     bound = bounds.base if slot is None else max(bounds.base, min(slot.bound_ms, target_ms))
-    return [max(bound, lp_step_bound(tab, target_ms=target_ms, max_solves=s, explicit=e,
-                                     **lp_bound_inputs(tab, cfg, info, slot, bounds, Deadline(1e9))).bound_ms)
-            for e, s in runs]
+    out = []
+    for e, s in runs:
+        lp = lp_step_bound(tab, target_ms=target_ms, max_solves=s, explicit=e,
+                           **lp_bound_inputs(tab, cfg, info, slot, bounds, Deadline(1e9)))
+        out.append((max(bound, lp.bound_ms), lp))
+    return out
+
+
+def by_count_row(name: str, tab: Tables, target_ms: float, lp: BoundResult) -> list[str]:
+    """One row of the table of where the bound binds: the memory minimum (fewest micro-batches
+    the batch's tokens fit) and how full it would be, the LP bound of each count searched one by
+    one (ms) and of every count past them, and the count whose bound is the lowest."""
+    m0 = min_micro_batches(tab)
+    fill = float(tab.lens.sum()) / (m0 * tab.cm.cluster.num_gpus * tab.cm.capacity_tokens)
+    counts = sorted(lp.by_count)
+    low = min(counts + [(math.inf, lp.rest_ms)], key=lambda c: c[1])
+    return [name, f"{target_ms:,.0f}", str(m0), f"{fill:.2%}",
+            ", ".join(f"{c}: {min(v, target_ms):,.0f}" for c, v in counts) or "-", f"{min(lp.rest_ms, target_ms):,.0f}",
+            "past them" if math.isinf(low[0]) else str(low[0])]
 
 
 def main(argv=None) -> int:
@@ -90,7 +109,7 @@ def main(argv=None) -> int:
     cells = sample(args)
     path = Path(args.targets)
     targets = json.loads(path.read_text()) if path.exists() else {}
-    rows, per_batch = [], []
+    rows, per_batch, counts = [], [], []
     t_start = time.perf_counter()
     for (corpus, gb), batches in cells.items():
         gaps = np.zeros((len(batches), len(runs)))
@@ -101,9 +120,14 @@ def main(argv=None) -> int:
                 plan = plan_step(lens, cm, strategy="flexsp", config=cfg, max_seq_len=args.max_seq_len)
                 targets[key] = simulate(plan, cm).step_ms
             tab = Tables(np.asarray(lens), cm)
-            gaps[k] = [targets[key] / b - 1 for b in bounds_after(tab, targets[key], runs)]
+            found = bounds_after(tab, targets[key], runs)
+            gaps[k] = [targets[key] / b - 1 for b, _ in found]
             per_batch.append({"cell": f"{corpus}:{gb}", "batch": k, "target_ms": targets[key],
-                              "gap": {f"{e}:{s}": g for (e, s), g in zip(runs, gaps[k].tolist())}})
+                              "gap": {f"{e}:{s}": g for (e, s), g in zip(runs, gaps[k].tolist())},
+                              "by_count": {f"{e}:{s}": [[c, min(v, targets[key])] for c, v in lp.by_count]
+                                           + [["more", min(lp.rest_ms, targets[key])]]
+                                           for (e, s), (_, lp) in zip(runs, found)}})
+            counts.append(by_count_row(f"{corpus}:{gb}:{k}", tab, targets[key], found[-1][1]))
             print(f"{corpus}:{gb} batch {k}: " + ", ".join(f"{e} explicit, {s} solves {g:.2%}"
                                                             for (e, s), g in zip(runs, gaps[k])), flush=True)
         rows.append([f"{corpus}:{gb}", len(batches)] + [f"{g:.2%}" for g in gaps.mean(axis=0)])
@@ -120,6 +144,13 @@ def main(argv=None) -> int:
               "|---|---|" + "---|" * len(runs)]
     lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
     print("\n".join(lines[-len(rows) - 2:]))
+    e, s = runs[-1]
+    lines += ["", f"Where the bound binds ({e} explicit, {s} solves): the LP bound of each micro-batch count",
+              "searched one by one and of every count past them, against the memory minimum (the fewest",
+              "micro-batches the batch's tokens fit) and how full its micro-batches would be.", "",
+              "| batch | target ms | memory minimum | its fill | bound by count (ms) | more (ms) | lowest |",
+              "|---|---|---|---|---|---|---|"]
+    lines += ["| " + " | ".join(row) + " |" for row in counts]
     write_outputs(args.out, {"runs": [f"{e}:{s}" for e, s in runs], "batches": per_batch,
                              "seconds": time.perf_counter() - t_start}, args.md, lines)
     return 0

@@ -238,7 +238,17 @@ def test_bound_benchmark_is_deterministic_and_never_falls_with_more_solves(tmp_p
         assert gaps[-1] >= -1e-9 and gaps[0] >= gaps[1] >= gaps[2], b
     # the solves are what stops the bound: on one batch two solves prove far less than sixty
     assert max(b["gap"]["1:2"] - b["gap"]["1:60"] for b in first) > 0.01
-    assert "| all | 2 |" in (tmp_path / "bound.md").read_text()
+    md = (tmp_path / "bound.md").read_text()
+    assert "| all | 2 |" in md
+    # where the bound binds: the counts are searched from the memory minimum up, and the lowest
+    # of their bounds (and of every count past them) is the LP's part of the bound above
+    for b in first:
+        for run, counts in b["by_count"].items():
+            assert counts[-1][0] == "more" and [c for c, _ in counts[:-1]] == sorted(c for c, _ in counts[:-1])
+            lowest = min(v for _, v in counts)
+            assert lowest <= b["target_ms"] / (1 + b["gap"][run]) * (1 + 1e-9), (b, run)
+    rows = [x for x in md.splitlines() if x.startswith("| lognormal-1k:256:")]
+    assert len(rows) == 2 and all(x.count("|") == 8 for x in rows)
 
 
 def test_paired_benchmark_side_by_side_plans_every_batch_with_both_trees_in_turn(tmp_path):
