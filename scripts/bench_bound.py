@@ -12,7 +12,8 @@ taken against a fixed plan: the planner's plan at ``--budget`` seconds, made onc
 file compare bound against bound (the targets of `docs/planner-bound.md` are kept beside it, in
 `docs/planner-bound-targets.json`). ``--explicit 1,3`` runs the bound twice: every count's search
 starting with one explicit micro-batch (as the planner's first search) and with three (its
-second, deeper search).
+second, deeper search). A second table says where each batch's bound comes from: the LP bound of
+each micro-batch count after the last run, beside the memory minimum and how full it is.
 
     python scripts/bench_bound.py --solves 100,250,1000 --targets docs/planner-bound-targets.json \
         --md docs/planner-bound.md --out out/bench_bound.json
