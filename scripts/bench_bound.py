@@ -34,8 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_flexsp.config import PlannerConfig  # noqa: E402
-from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
-from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.planner.api import lp_bound_inputs, simple_bounds, slot_lp  # noqa: E402
 from megatron_flexsp.planner.bound import BoundResult, lp_step_bound  # noqa: E402
@@ -46,7 +44,7 @@ from megatron_flexsp.sim import simulate  # noqa: E402
 from megatron_flexsp.utils.report import header_lines, machine_speed, provenance, write_outputs  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_planner_paired import sample  # noqa: E402
+from bench_planner_paired import add_sample_args, cost_model, sample  # noqa: E402
 
 #: (corpus, global batch) at 64 GPUs: the sweep cells whose median gap is above 2% at 1 s
 CELLS = "github:2048,lognormal-4k:512,lognormal-4k:1024,lognormal-4k:2048,pareto-1.1:4096"
@@ -54,13 +52,7 @@ CELLS = "github:2048,lognormal-4k:512,lognormal-4k:1024,lognormal-4k:2048,pareto
 
 def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", default=CELLS, help="corpus:global_batch,... (default: %(default)s)")
-    ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--batches", type=int, default=4, help="batches per cell")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default="a100-paper")
-    ap.add_argument("--model", default="gpt-7b")
-    ap.add_argument("--max-seq-len", type=int, default=196608)
+    add_sample_args(ap, CELLS, 4)
     ap.add_argument("--solves", default="100,250,1000", help="LP solve counts to stop at")
     ap.add_argument("--explicit", default="1,3", help="explicit micro-batches every search starts with, one run each")
     ap.add_argument("--budget", type=float, default=1.0, help="planner budget (s) of the target plans")
@@ -105,8 +97,7 @@ def main(argv=None) -> int:
     args = _args(argv)
     solves = [int(s) for s in args.solves.split(",")]
     runs = [(e, s) for e in map(int, args.explicit.split(",")) for s in solves]
-    cm = CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
-                                max_seq_len=args.max_seq_len)
+    cm = cost_model(args)
     cells = sample(args)
     path = Path(args.targets)
     targets = json.loads(path.read_text()) if path.exists() else {}

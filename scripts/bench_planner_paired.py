@@ -56,6 +56,24 @@ HARD_CELLS = ("wikipedia:2048,wikipedia:4096,github:1024,github:2048,commoncrawl
               "pareto-1.1:2048,pareto-1.1:4096,pareto-1.5:4096")
 
 
+def add_sample_args(ap: argparse.ArgumentParser, cells: str, batches: int) -> None:
+    """The arguments :func:`sample` and :func:`cost_model` read: the cells, batches per cell and
+    their seed, and the cluster and model to plan for (``cells``, ``batches``: the defaults)."""
+    ap.add_argument("--cells", default=cells, help="corpus:global_batch,... at --gpus (default: %(default)s)")
+    ap.add_argument("--gpus", type=int, default=64)
+    ap.add_argument("--batches", type=int, default=batches, help="batches per cell")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--profile", default="a100-paper")
+    ap.add_argument("--model", default="gpt-7b")
+    ap.add_argument("--max-seq-len", type=int, default=196608)
+
+
+def cost_model(args) -> CostModel:
+    """The cost model of ``args``' profile, model, GPUs and longest sequence (:func:`add_sample_args`)."""
+    return CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
+                                  max_seq_len=args.max_seq_len)
+
+
 def sample(args) -> dict[tuple[str, int], list[np.ndarray]]:
     """The batches of every cell of ``args.cells`` (sequence lengths, tokens)."""
     batches = {}
@@ -289,18 +307,12 @@ def table(rows: list[dict], baseline: list[dict] | None) -> list[str]:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cells", default=HARD_CELLS, help="corpus:global-batch pairs at --gpus")
-    ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--batches", type=int, default=4, help="batches per cell")
+    add_sample_args(ap, HARD_CELLS, 4)
     ap.add_argument("--budgets", default="1,4", help="planner time budgets (s), each over every batch")
     ap.add_argument("--baseline", default=None, help="an earlier run's JSON: paired changes per budget")
     ap.add_argument("--against", default=None,
                     help="a git revision or a folder with another checkout: both planned side by side in this run")
     ap.add_argument("--repeats", type=int, default=1, help="with --against: passes over every batch")
-    ap.add_argument("--profile", default="a100-paper")
-    ap.add_argument("--model", default="gpt-7b")
-    ap.add_argument("--max-seq-len", type=int, default=196608)
-    ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default="out/bench_planner_paired.json")
     ap.add_argument("--md", default=None, help="write the markdown table here")
     args = ap.parse_args()
@@ -338,8 +350,7 @@ def side_by_side_report(args) -> tuple[dict, list[str]]:
 
 def paired_report(args) -> tuple[dict, list[str]]:
     """This tree alone (against ``--baseline``, an earlier run's JSON, when given): rows and tables."""
-    cm = CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
-                                max_seq_len=args.max_seq_len)
+    cm = cost_model(args)
     before = json.loads(Path(args.baseline).read_text()) if args.baseline else None
     baseline = before["rows"] if before else None
     named = f"{args.baseline} (commit {before['provenance'].get('commit', 'unknown')})" if before else None

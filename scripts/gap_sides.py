@@ -26,26 +26,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_flexsp.config import PlannerConfig  # noqa: E402
-from megatron_flexsp.cost_model import CostModel, load_profile  # noqa: E402
-from megatron_flexsp.model_spec import get_model  # noqa: E402
 from megatron_flexsp.planner import plan_step  # noqa: E402
 from megatron_flexsp.sim import simulate  # noqa: E402
 from megatron_flexsp.sim.gap_sides import micro_batch_gaps  # noqa: E402
 from megatron_flexsp.utils.report import header_lines, machine_speed, provenance, write_outputs  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "scripts"))
-from bench_planner_paired import sample  # noqa: E402
+from bench_planner_paired import add_sample_args, cost_model, sample  # noqa: E402
 
 
 def _args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--cells", default="github:2048", help="corpus:global_batch,... (default: %(default)s)")
-    ap.add_argument("--gpus", type=int, default=64)
-    ap.add_argument("--batches", type=int, default=1, help="batches per cell")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--profile", default="a100-paper")
-    ap.add_argument("--model", default="gpt-7b")
-    ap.add_argument("--max-seq-len", type=int, default=196608)
+    add_sample_args(ap, "github:2048", 1)
     ap.add_argument("--budget", type=float, default=1.0, help="planner budget (s)")
     ap.add_argument("--lp-solves", type=int, default=400, help="LP solves per micro-batch bound")
     ap.add_argument("--exact-max", type=int, default=40, help="exact MILP for micro-batches of at most this many "
@@ -62,8 +54,7 @@ def _ms(x: float) -> str:
 
 def main(argv=None) -> int:
     args = _args(argv)
-    cm = CostModel.from_profile(load_profile(args.profile), get_model(args.model), num_gpus=args.gpus,
-                                max_seq_len=args.max_seq_len)
+    cm = cost_model(args)
     t_start = time.perf_counter()
     steps, mb_rows, out = [], [], []
     for (corpus, gb), batches in sample(args).items():

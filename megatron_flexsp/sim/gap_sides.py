@@ -20,6 +20,7 @@ so they run only for micro-batches of at most ``exact_max_sequences`` sequences.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -85,8 +86,8 @@ def micro_batch_gaps(plan: StepPlan, cm: CostModel, *, lp_solves: int = 400, exa
                                   upper_ms=makespan * (1 + 1e-6), warm=layout, m_min=1,
                                   options=MilpOptions(exact_time_s, 10**9, 0.0, 0, slot_max=n, slot_min_size=1))
             best = min(res.objective_ms, makespan) if math.isfinite(res.objective_ms) else makespan
-            row = MicroBatchGap(j, row.sequences, row.fill, makespan, lp, best,
-                                min(res.dual_bound_ms, best), res.solve_time_s)
+            row = dataclasses.replace(row, exact_ms=best, exact_bound_ms=min(res.dual_bound_ms, best),
+                                      exact_time_s=res.solve_time_s)
         out.append(row)
     return out
 
