@@ -273,19 +273,17 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     """Polish the search's layouts ``found`` (step ms, family, layout; best first) until
     ``deadline``, in shares of the time left: the best layout of each of the three best families
     drains its shortest micro-batches into the others' free memory (a quarter; groups first was
-    drained in the search); the best merges its tail (:func:`merge_tail`, to a half); the best and
+    drained in the search); the layouts are ranked by what the local search alone makes of a copy
+    of each family's best (:func:`rank_by_local_search`, to 35%); the best merges its tail (:func:`merge_tail`, to a half); the best and
     the best of another family (the variants of one family, ``stuffed+split`` and
     ``stuffed+groups``, share their first micro-batch) have every micro-batch re-packed at its
     smallest level where that is faster
     (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 60%:
     at 80% the tail's first try, 0.2 s at 1,024 GPUs, ran out of time one run in three there, and
-    those plans were 2-2.8% slower);
+    those plans were 2-2.8% slower), each kept as its searched copy where that is faster;
     then the best layout of each other family within :data:`SETTLE_WITHIN` of the best, in at
-    most half the time the two left, ranked by a copy given the local search alone and settled
-    from where it was, the copy kept where faster (the local search moves some families far: a
-    Pareto-tailed step of 4,096 documents at 64 GPUs had its common-level layout fourth of five
-    families before it and 2.3% ahead of the others after it; at 4 s a stuffed family had pushed
-    it out of the layouts searched, and the plan was 2.4% slower than at 1 s);
+    most half the time the two left, by their searched copies, each settled from where it was,
+    the copy kept where faster;
     the best has its tail re-planned (:func:`~planner.tail.replan_tail`, half the time left), its
     slowest micro-batches split in two (:func:`split_slowest`) and re-splits pairs
     (:func:`resplit_pairs`, the rest). Returns the polished layouts and
@@ -312,7 +310,7 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
             drained = drain_micro_batches(layout, tab, deadline=share, tries=DRAIN_TRIES)
             info.setdefault("drained", {})[name] = drained
             found[k] = (tab.step_ms(layout), name, layout)
-    found.sort(key=lambda c: c[0])
+    searched = rank_by_local_search(found, tab, until(0.35))
     other = next((k for k in range(1, len(found)) if family(found[k][1]) != family(found[0][1])), 0)
     if other > 1:  # the two settled below: the best and the best of another family
         found.insert(1, found.pop(other))
@@ -322,18 +320,22 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     end = until(0.6)
     for n_done, (ms, name, layout) in enumerate(found[:2]):
         share = end.capped(time.perf_counter() + max(end.left(), 0.0) / (2 - n_done))
-        out.append(_settled(name, layout, packer, share, info))
+        got = searched.get(id(layout))
+        settled = _settled(name, layout, packer, share, info)
+        out.append(settled if got is None or settled[0] <= got[0] else (got[0], name, got[1]))
     # then the best layout of each other family within SETTLE_WITHIN of the best, in at most half
-    # the time the two left (the best's re-splits keep the rest): the local search moves some
-    # layouts far, so they are ranked by a copy searched alone (milliseconds, where re-packing
-    # takes tenths of a second), and each is settled from where it was (re-packing first), the
-    # copy kept where it is faster
+    # the time the two left (the best's re-splits keep the rest), by their searched copies (a
+    # family the ranking did not reach is searched here), each settled from where it was
+    # (re-packing first), the copy kept where it is faster
     end = end.capped(time.perf_counter() + 0.5 * max(deadline.left(), 0.0))
     limit = found[0][0] * (1 + SETTLE_WITHIN) if found else 0.0
     others = []
     for ms, name, layout in family_bests(found[2:], exclude={name for _, name, _ in found[:2]}):
         if ms > limit or end.expired():
             break
+        if id(layout) in searched:
+            others.append((searched[id(layout)][0], name, layout, searched[id(layout)][1]))
+            continue
         copy = tab.clone_layout(layout)
         improve_layout(copy, tab, deadline=end)
         others.append((tab.step_ms(copy), name, layout, copy))
@@ -354,6 +356,29 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
         info["resplit"] = resplit_pairs(layout, packer, deadline)
         out[k] = (tab.step_ms(layout), name, layout)
     return out + (rest[:1] if others else found[2:3])
+
+
+def rank_by_local_search(found: list[tuple[float, str, Layout]], tab: Tables, deadline
+                         ) -> dict[int, tuple[float, Layout]]:
+    """Sort ``found`` (step ms, family, layout) in place by what a copy of each family's best
+    layout takes after the local search alone (:func:`improve_layout`, milliseconds each; the
+    other layouts by their own step time), each copy in an equal share of the time to
+    ``deadline``. The local search moves some layouts far past others: a Pareto-tailed step of
+    4,096 documents at 64 GPUs had its common-level layout fourth of four families before it and
+    2.5% ahead of the others after it, and its plan was 2.7% slower at 2 s than at 1 s when the
+    search's better second and third layouts left it out of the two settled first. Returns the
+    searched copies, (step ms, layout) by ``id`` of the layout copied."""
+    searched: dict[int, tuple[float, Layout]] = {}
+    bests = family_bests(sorted(found, key=lambda c: c[0]), exclude=set())
+    for n_done, (_, _, layout) in enumerate(bests):
+        if deadline.expired():
+            break
+        copy = tab.clone_layout(layout)
+        improve_layout(copy, tab, deadline=deadline.capped(
+            time.perf_counter() + max(deadline.left(), 0.0) / (len(bests) - n_done)))
+        searched[id(layout)] = (tab.step_ms(copy), copy)
+    found.sort(key=lambda c: searched[id(c[2])][0] if id(c[2]) in searched else c[0])
+    return searched
 
 
 def _settled(name: str, layout: Layout, packer: LevelPacker, deadline, info: dict) -> tuple[float, str, Layout]:

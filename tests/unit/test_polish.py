@@ -502,3 +502,47 @@ def test_runners_up_the_local_search_leaves_as_they_were_do_not_count():
     assert search_runners_up(cands, tab, Deadline(), within=0.05, runners=1) == 3
     assert [round(ms / fast, 9) for ms, _, _ in cands[1:]] == [1.0, 1.0, 1.0]
     assert cands[0] == best and tab.step_ms(raw) == fast
+
+
+
+def test_layouts_are_ranked_for_settling_by_what_the_local_search_makes_of_them():
+    """Which two layouts the polishing settles first (the others only while time lasts) is decided
+    by a copy of each family's best given the local search, not by the order the search left them
+    in: here a common-level layout behind another before the local search is 3% ahead after it.
+    The layouts themselves are left as they were; with no time left the order is the step times'."""
+    import copy
+
+    from megatron_flexsp.planner.layout import improve_layout
+    from megatron_flexsp.planner.polish import rank_by_local_search
+
+    tab, packer, _, _ = _common_level_and_searched()
+    crit = float(packer.critical.max())
+    items = np.arange(len(tab.lens))
+    ahead = common_level(packer, items, 1.5 * crit, 200)
+    behind = common_level(packer, items, 1.75 * crit, 200)
+    after = {}
+    for name, layout in (("ahead", ahead), ("behind", behind)):
+        c = copy.deepcopy(layout)
+        improve_layout(c, tab)
+        after[name] = tab.step_ms(c)
+    assert tab.step_ms(ahead) < tab.step_ms(behind) and after["behind"] < 0.97 * after["ahead"]
+
+    def found():  # a second layout of the first family is ranked by its own step time
+        return [(tab.step_ms(ahead), "shelves", copy.deepcopy(ahead)),
+                (tab.step_ms(ahead) + 1.0, "shelves", _twins_swapped(tab, ahead)),
+                (tab.step_ms(behind), "level", copy.deepcopy(behind))]
+
+    got = found()
+    before = {id(layout): tab.step_ms(layout) for _, _, layout in got}
+    searched = rank_by_local_search(got, tab, Deadline())
+    assert [name for _, name, _ in got] == ["level", "shelves", "shelves"]
+    assert len(searched) == 2
+    assert searched[id(got[0][2])][0] == after["behind"] and searched[id(got[1][2])][0] == after["ahead"]
+    assert all(tab.step_ms(layout) == before[id(layout)] for _, _, layout in got)  # as they were
+    for ms, layout in searched.values():
+        assert ms == tab.step_ms(layout)
+        validate_plan(to_step_plan(layout, tab, strategy="flexsp", method="searched"))
+
+    got = found()[::-1]
+    assert rank_by_local_search(got, tab, Deadline(0.0)) == {}
+    assert [name for _, name, _ in got] == ["shelves", "shelves", "level"]
