@@ -310,7 +310,9 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
             drained = drain_micro_batches(layout, tab, deadline=share, tries=DRAIN_TRIES)
             info.setdefault("drained", {})[name] = drained
             found[k] = (tab.step_ms(layout), name, layout)
+    t0 = time.perf_counter()
     searched = rank_by_local_search(found, tab, until(0.35))
+    info["ranked"] = (len(searched), round(time.perf_counter() - t0, 4))
     other = next((k for k in range(1, len(found)) if family(found[k][1]) != family(found[0][1])), 0)
     if other > 1:  # the two settled below: the best and the best of another family
         found.insert(1, found.pop(other))
@@ -361,15 +363,17 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
 def rank_by_local_search(found: list[tuple[float, str, Layout]], tab: Tables, deadline
                          ) -> dict[int, tuple[float, Layout]]:
     """Sort ``found`` (step ms, family, layout) in place by what a copy of each family's best
-    layout takes after the local search alone (:func:`improve_layout`, milliseconds each; the
-    other layouts by their own step time), each copy in an equal share of the time to
-    ``deadline``. The local search moves some layouts far past others: a Pareto-tailed step of
-    4,096 documents at 64 GPUs had its common-level layout fourth of four families before it and
-    2.5% ahead of the others after it, and its plan was 2.7% slower at 2 s than at 1 s when the
-    search's better second and third layouts left it out of the two settled first. Returns the
-    searched copies, (step ms, layout) by ``id`` of the layout copied."""
+    within :data:`SETTLE_WITHIN` of the best takes after the local search alone
+    (:func:`improve_layout`, milliseconds each; the other layouts by their own step time), each
+    copy in an equal share of the time to ``deadline``. The local search moves some layouts far
+    past others: a Pareto-tailed step of 4,096 documents at 64 GPUs had its common-level layout
+    fourth of four families before it and 2.5% ahead of the others after it, and its plan was
+    2.7% slower at 2 s than at 1 s when the search's better second and third layouts left it out
+    of the two settled first. Returns the searched copies, (step ms, layout) by ``id`` of the
+    layout copied."""
     searched: dict[int, tuple[float, Layout]] = {}
     bests = family_bests(sorted(found, key=lambda c: c[0]), exclude=set())
+    bests = [c for c in bests if c[0] <= bests[0][0] * (1 + SETTLE_WITHIN)]  # (as settled below)
     for n_done, (_, _, layout) in enumerate(bests):
         if deadline.expired():
             break
