@@ -312,7 +312,7 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
             found[k] = (tab.step_ms(layout), name, layout)
     t0 = time.perf_counter()
     searched = rank_by_local_search(found, tab, until(0.35))
-    info["ranked"] = (len(searched), round(time.perf_counter() - t0, 4))
+    info.update(ranked_layouts=len(searched), ranked_time_s=time.perf_counter() - t0)
     other = next((k for k in range(1, len(found)) if family(found[k][1]) != family(found[0][1])), 0)
     if other > 1:  # the two settled below: the best and the best of another family
         found.insert(1, found.pop(other))
