@@ -274,10 +274,10 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     ``deadline``, in shares of the time left: the best layout of each of the three best families
     drains its shortest micro-batches into the others' free memory (a quarter; groups first was
     drained in the search); the layouts are ranked by what the local search alone makes of a copy
-    of each family's best (:func:`rank_by_local_search`, to 35%); the best merges its tail (:func:`merge_tail`, to a half); the best and
-    the best of another family (the variants of one family, ``stuffed+split`` and
-    ``stuffed+groups``, share their first micro-batch) have every micro-batch re-packed at its
-    smallest level where that is faster
+    of each family's best (:func:`rank_by_local_search`, to 35%); the best merges its tail
+    (:func:`merge_tail`, to a half); the best and the best of another family (the variants of one
+    family, ``stuffed+split`` and ``stuffed+groups``, share their first micro-batch) have every
+    micro-batch re-packed at its smallest level where that is faster
     (:meth:`LevelPacker.repack`), the local search and exchanges (:func:`balance_groups`; to 60%:
     at 80% the tail's first try, 0.2 s at 1,024 GPUs, ran out of time one run in three there, and
     those plans were 2-2.8% slower), each kept as its searched copy where that is faster;

@@ -504,7 +504,6 @@ def test_runners_up_the_local_search_leaves_as_they_were_do_not_count():
     assert cands[0] == best and tab.step_ms(raw) == fast
 
 
-
 def test_layouts_are_ranked_for_settling_by_what_the_local_search_makes_of_them():
     """Which two layouts the polishing settles first (the others only while time lasts) is decided
     by a copy of each family's best given the local search, not by the order the search left them
