@@ -335,12 +335,8 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     for ms, name, layout in family_bests(found[2:], exclude={name for _, name, _ in found[:2]}):
         if ms > limit or end.expired():
             break
-        if id(layout) in searched:
-            others.append((searched[id(layout)][0], name, layout, searched[id(layout)][1]))
-            continue
-        copy = tab.clone_layout(layout)
-        improve_layout(copy, tab, deadline=end)
-        others.append((tab.step_ms(copy), name, layout, copy))
+        searched_ms, copy = searched.get(id(layout)) or _searched_copy(layout, tab, end)
+        others.append((searched_ms, name, layout, copy))
     others.sort(key=lambda c: c[0])
     rest = []
     for searched_ms, name, layout, copy in others:
@@ -377,12 +373,17 @@ def rank_by_local_search(found: list[tuple[float, str, Layout]], tab: Tables, de
     for n_done, (_, _, layout) in enumerate(bests):
         if deadline.expired():
             break
-        copy = tab.clone_layout(layout)
-        improve_layout(copy, tab, deadline=deadline.capped(
+        searched[id(layout)] = _searched_copy(layout, tab, deadline.capped(
             time.perf_counter() + max(deadline.left(), 0.0) / (len(bests) - n_done)))
-        searched[id(layout)] = (tab.step_ms(copy), copy)
     found.sort(key=lambda c: searched[id(c[2])][0] if id(c[2]) in searched else c[0])
     return searched
+
+
+def _searched_copy(layout: Layout, tab: Tables, deadline) -> tuple[float, Layout]:
+    """A copy of ``layout`` given the local search alone until ``deadline``: (its step ms, it)."""
+    copy = tab.clone_layout(layout)
+    improve_layout(copy, tab, deadline=deadline)
+    return tab.step_ms(copy), copy
 
 
 def _settled(name: str, layout: Layout, packer: LevelPacker, deadline, info: dict) -> tuple[float, str, Layout]:
