@@ -213,7 +213,9 @@ def touch_up(layout: Layout, tab: Tables, deadline, packer: LevelPacker | None =
     GPUs came out at 13.43 s or 13.03 s from run to run as it did or did not), else pairs of
     micro-batches are re-split (:func:`resplit_pairs`: the polishing's re-splits were made before
     the bound, MILP and touch-up phases changed the plan; a lognormal-4k step at 1,024 GPUs came
-    out 3.1% faster in one run of three), and the rounds go on if any made the step faster. Each
+    out 3.1% faster in one run of three), else neighbourhoods of three micro-batches are planned
+    again (:func:`~planner.neighbourhood.replan_neighbourhoods`, :data:`NEIGHBOURHOOD_TRIES` per
+    micro-batch: time the other moves leave), and the rounds go on if any made the step faster. Each
     unlocks the other: exchanges lower a memory-full micro-batch's makespan, after which
     sequences may move into it, which opens new exchanges (a common-level layout of 2,048
     Pareto-tailed documents at 64 GPUs: 18.41 s after one round, 17.78 s after two). The
