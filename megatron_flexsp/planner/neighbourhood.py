@@ -66,7 +66,8 @@ def replan_neighbourhoods(layout: Layout, packer: LevelPacker, deadline, *, trie
             pick = rng.sample(range(len(layout)), size)
         before = sum(tab.mb_ms(layout[j]) for j in pick)
         items = np.concatenate([mb_items(layout[j]) for j in pick])
-        new = _replan(packer, items, before, FAMILIES[t % len(FAMILIES)], deadline)
+        # each family in turn with either kind of neighbourhood
+        new = _replan(packer, items, before, FAMILIES[(t // 2) % len(FAMILIES)], deadline)
         if new is not None and tab.step_ms(new) < before * (1 - 1e-9):
             gone = set(pick)
             layout[:] = [mb for j, mb in enumerate(layout) if j not in gone] + new

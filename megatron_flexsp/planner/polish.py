@@ -52,7 +52,7 @@ from megatron_flexsp.planner.tail import replan_tail
 Layout = list[list[Group]]
 #: neighbourhoods (:func:`~planner.neighbourhood.replan_neighbourhoods`) the touch-up tries per
 #: micro-batch of the plan, once its other moves stall, before it stops
-NEIGHBOURHOOD_TRIES = 4
+NEIGHBOURHOOD_TRIES = 16
 
 
 def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, levels: int = 4,
