@@ -5,15 +5,15 @@ tail, or single sequences and groups (the local search, exchanges). Once they st
 lies in which sequences share a micro-batch, across micro-batches none of those moves pairs up.
 :func:`replan_neighbourhoods` pools the sequences of ``size`` micro-batches at a time (three
 adjacent in makespan order from a random start, or three at random, in turn) and plans them again
-with one search family per try, in turn: the stuffed first micro-batch with the rest packed or
-split (:func:`~planner.search.stuffed_layouts`), shelves
+with one search family per try, each family with either kind of neighbourhood: the stuffed first
+micro-batch with the rest packed or split (:func:`~planner.search.stuffed_layouts`), shelves
 (:class:`~planner.shelves.ShelfPlanner`), the balanced split over counts
 (:func:`~planner.split.best_split`) and groups first
 (:func:`~planner.search.groups_first_layouts`); the micro-batches are replaced where the new
 ones take less time in all. Each try takes 10-100 ms at 64-256 GPUs, and most find nothing:
-it is a use for time the other moves leave, not a replacement for them. On 1 s plans of eight
-hard steps (64 and 256 GPUs), 3 s of it took 0.0-0.7% off (a GitHub-like step of 2,048
-documents at 64 GPUs 0.30% in 1.5 s, a Pareto-tailed one of 4,096 0.24% in 0.2 s).
+it is a use for time the other moves leave, not a replacement for them. Given 5 s on 1 s plans
+of eight failing steps (64 and 256 GPUs) it took 0-0.76% off (a Pareto-tailed step of 4,096
+documents at 64 GPUs 0.36% in its first 0.2 s, 0.76% in all; a GitHub-like one of 2,048 0.41%).
 Pseudo-random with a fixed seed: the same layout and the same number of tries give the same
 result.
 """
