@@ -37,8 +37,8 @@ __all__ = ["FAMILIES", "replan_neighbourhoods"]
 Layout = list[list[Group]]
 #: the search families a neighbourhood is planned with, one per try in this order
 FAMILIES = ("stuffed", "shelves", "split", "groups-first")
-#: a re-planned neighbourhood gets the local search where it is within this share of the time it
-#: replaces (a few milliseconds; farther ones never came within it)
+#: a re-planned neighbourhood gets the local search (milliseconds) where it is within this share of
+#: the time it replaces
 SEARCH_WITHIN = 0.03
 #: stuffed layouts tried per neighbourhood (in the order of their estimate)
 STUFFED_TRIES = 4
