@@ -62,13 +62,16 @@ class LevelPacker:
         return max(float(self.critical[items].max()) + (m - 1) * self.f_min,
                    m * self.f_min + gt / self.n_gpus)
 
+    def memory_minimum(self, items: np.ndarray) -> int:
+        """Fewest micro-batches whose memory holds ``items``' tokens (at least 1)."""
+        return max(1, math.ceil(int(self.tab.lens[items].sum()) / (self.tab.cm.capacity_tokens * self.n_gpus)))
+
     def least_ms(self, items: np.ndarray) -> float:
         """Valid lower bound (ms) on any number of micro-batches running ``items``: at least as
         many as their tokens need (:meth:`lower_bound` at that count; bounds grow with the count)."""
         if len(items) == 0:
             return 0.0
-        m = math.ceil(int(self.tab.lens[items].sum()) / (self.tab.cm.capacity_tokens * self.n_gpus))
-        return self.lower_bound(items, m)
+        return self.lower_bound(items, self.memory_minimum(items))
 
     # ------------------------------------------------------------------ one micro-batch
     def choose_sizes(self, items: np.ndarray, level: float) -> np.ndarray | None:

@@ -21,7 +21,6 @@ result.
 from __future__ import annotations
 
 import itertools
-import math
 import random
 
 import numpy as np
@@ -55,10 +54,10 @@ def replan_neighbourhoods(layout: Layout, packer: LevelPacker, deadline, *, trie
     if len(layout) < size:
         return 0
     rng = random.Random(seed)
+    order = sorted(range(len(layout)), key=lambda j: (-tab.mb_ms(layout[j]), j))  # fixed until a try gains
     for t in range(tries):
         if deadline.expired():
             break
-        order = sorted(range(len(layout)), key=lambda j: (-tab.mb_ms(layout[j]), j))
         if t % 2 == 0:
             start = rng.randrange(len(layout) - size + 1)
             pick = order[start:start + size]
@@ -84,8 +83,7 @@ def _replan(packer: LevelPacker, items: np.ndarray, before: float, family: str, 
         found += [lay for _, lay in itertools.islice(
             stuffed_layouts(packer, items, deadline, lambda: before), STUFFED_TRIES)]
     elif family == "shelves":
-        m_min = max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * packer.n_gpus)))
-        bases = level_grid(*base_range(packer, m_min), 8)
+        bases = level_grid(*base_range(packer, packer.memory_minimum(items)), 8)
         shelf = ShelfPlanner(packer)
         for score in SCORES:
             lay = shelf.layout(items, bases, score, deadline, give_up_ms=before)

@@ -180,7 +180,7 @@ def stuffed_layouts(packer: LevelPacker, items: np.ndarray, deadline: Deadline, 
     Yields (family, layout) until ``deadline``."""
     tab = packer.tab
     n_gpus, f_min = packer.n_gpus, packer.f_min
-    m_min = m_min or max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * n_gpus)))
+    m_min = m_min or packer.memory_minimum(items)
     crit = float(packer.critical[items].max())
     top = max(crit, 2 * (f_min + float(packer.gpu_time_min[items].sum()) / (n_gpus * m_min)))
     stuffed = {}  # level -> packer.stuff(items, level)

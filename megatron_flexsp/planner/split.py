@@ -170,7 +170,7 @@ def best_split(packer: LevelPacker, items: np.ndarray, deadline: Deadline, aroun
     tab = packer.tab
     if not len(items):
         return prefix_ms, 0, []
-    m_lo = max(1, math.ceil(int(tab.lens[items].sum()) / (tab.cm.capacity_tokens * packer.n_gpus)))
+    m_lo = packer.memory_minimum(items)
     area = float(packer.gpu_time_min[items].sum()) / packer.n_gpus
     seen: dict[int, tuple[float, Layout | None]] = {}
 
