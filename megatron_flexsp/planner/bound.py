@@ -126,7 +126,7 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     many micro-batches, whose slowest few explicit micro-batches say little): it returns
     floors proven another way (per count, and for every count past those; e.g. a finer slot
     bound) or None, and the searches go on above them; stalled as long again, they stop (the time
-    left to ``deadline`` is the caller's).
+    left to ``deadline`` is the caller's). Only the first pass (the small units) has it.
     ``explicit``: the explicit micro-batches every count's search starts with (at most
     ``max_explicit``): more to search again, deeper, where an earlier call stalled.
     """
@@ -144,8 +144,9 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
         if refloor is not None:
             run.refloor, run.refloor_after = refloor, refloor_after
         converged = run.search(max_solves - solves)
-        if run.refloor is None:
-            refloor = None  # called (once)
+        # the first pass only: the wide one starts above what that proved, where no floor binds, and
+        # needs hundreds of solves before it rises (a stall rule there stopped it at 48)
+        refloor = None
         solves += run.solves
         if run.found:
             found = run.found

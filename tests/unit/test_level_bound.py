@@ -13,6 +13,7 @@ from megatron_flexsp.planner.bound import lp_step_bound
 from megatron_flexsp.planner.floors import step_floors
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.search import Deadline
 from megatron_flexsp.sim import simulate
 from tests.unit.helpers import tiny_cost_model
 from tests.unit.test_planner import small_instance
@@ -501,6 +502,45 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
                 first[m] = max(first.get(m, 0), k)
     assert second > 0
 
+
+
+def test_floors_handed_over_only_to_the_first_pass(monkeypatch):
+    """``refloor`` (floors proven another way, for searches stalled at their floors) belongs to
+    the first pass: the wide pass starts above what the first proved and needs many solves before
+    it rises, so a stall rule there stopped it after twice ``refloor_after`` solves, and only where
+    the first pass had not called the hook. On tiny instances whose first pass rises at once the
+    hook is never called from the wide pass, and that pass runs until it converges."""
+    from megatron_flexsp.planner import bound as bound_mod
+
+    original = bound_mod.bound_units
+    wide_built: list[int] = []
+    calls: list[int] = []  # wide searches built when the hook was called
+
+    def units(tab, **kw):  # the first pass: 2 singles, 1 bucket; the wide pass: buckets alone
+        return original(tab, **(kw or {"num_buckets": 1, "max_single": 2}))
+
+    class Counting(bound_mod.CountSearch):
+        def __init__(self, tab, m, units_, *args, **kw):
+            if not any(single for _, single in units_):
+                wide_built.append(m)
+            super().__init__(tab, m, units_, *args, **kw)
+
+    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
+    monkeypatch.setattr(bound_mod, "bound_units", units)
+    monkeypatch.setattr(bound_mod, "WIDE_UNITS", {"num_buckets": 1, "max_single": 0})
+    second = 0
+    for seed in range(6):
+        cm, lens, opt = many_micro_batch_instance(seed)
+        tab = Tables(np.asarray(lens), cm)
+        wide_built.clear()
+        calls.clear()
+        r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=4000, max_extra=2, rel_tol=0.01,
+                          deadline=Deadline(60.0), refloor=lambda: calls.append(len(wide_built)),
+                          refloor_after=2)
+        assert r.bound_ms <= opt * (1 + 1e-6), (seed, r, opt)
+        assert all(c == 0 for c in calls), (seed, calls)
+        second += bool(wide_built)
+    assert second > 0
 
 def test_few_micro_batches_go_to_all_but_one_explicit_at_once(monkeypatch):
     """A count whose search with one explicit micro-batch is done is searched again with more: up
