@@ -79,6 +79,9 @@ def plan_batch(b, cm, cfg, max_len) -> dict:
             row[s].update(gap=plan.gap, lower_bound_ms=plan.lower_bound_ms, method=plan.method,
                           milp_kind=info.get("milp_kind"), milp_improved=bool(info.get("milp_improved")),
                           milp_gain=1 - info.get("milp_after_ms", 1) / info.get("milp_before_ms", 1),
+                          milp_raised_bound=bool(info.get("milp_raised_bound")),
+                          mb_milp_solved=int(info.get("mb_milp_solved", 0)),
+                          mb_milp_proven=int(info.get("mb_milp_proven", 0)),
                           parts=gap_parts(plan, cm).shares())
     return row
 
@@ -106,6 +109,9 @@ def summarize(rows: list[dict]) -> dict:
         "slower_than_batchada": sum(r["flexsp"]["step_ms"] > r["batchada"]["step_ms"] * (1 + 1e-9)
                                     for r in rows),
         "milp_improved": len(gains), "milp_gain_mean": float(np.mean(gains)) if gains else 0.0,
+        "milp_raised_bound": sum(x.get("milp_raised_bound", False) for x in f),
+        "mb_milp_solved": sum(x.get("mb_milp_solved", 0) for x in f),
+        "mb_milp_proven": sum(x.get("mb_milp_proven", 0) for x in f),
         "parts_mean": {k: float(np.mean([x["parts"][k] for x in f])) for k in f[0]["parts"]},
     }
 
@@ -145,7 +151,8 @@ def run_cells(cells, args, profile) -> list[dict]:
 def table(cells: list[dict]) -> list[str]:
     lines = ["| corpus | N | B | batches | micro-batches | plan p50 s | plan p99 s | gap median | gap max "
              "| x static | x batchada | x megatron-dcp | x megatron-hybrid-cp | slower than batchada "
-             "| MILP improved (mean gain) |", "|" + "---|" * 15]
+             "| MILP improved (mean gain) | MILP raised bound | micro-batch MILPs: proven / run |",
+             "|" + "---|" * 17]
     for c in cells:
         s = c["summary"]
         lines.append(
@@ -153,7 +160,8 @@ def table(cells: list[dict]) -> list[str]:
             f"{s['micro_batches_min']}-{s['micro_batches_max']} | {s['plan_p50_s']:.2f} | "
             f"{s['plan_p99_s']:.2f} | {s['gap_median']:.2%} | {s['gap_max']:.2%} | {s['x_static']:.2f} | "
             f"{s['x_batchada']:.2f} | {s['x_dcp']:.2f} | {_hcp(s)} | "
-            f"{s['slower_than_batchada']} | {s['milp_improved']}/{s['batches']} ({s['milp_gain_mean']:.2%}) |")
+            f"{s['slower_than_batchada']} | {s['milp_improved']}/{s['batches']} ({s['milp_gain_mean']:.2%}) | "
+            f"{s.get('milp_raised_bound', 0)}/{s['batches']} | {s.get('mb_milp_proven', 0)}/{s.get('mb_milp_solved', 0)} |")
     return lines
 
 

@@ -115,10 +115,13 @@ def _phase_b(res: MilpResult, tab: Tables, longs: list[int], buckets, *, upper_m
 def refine_micro_batches_of(layout: list[list[Group]], tab: Tables, packer: LevelPacker, cfg: PlannerConfig,
                             deadline, per_solve_s: float = 0.25) -> tuple[int, int]:
     """Improve ``layout`` in place, one micro-batch at a time (furthest above its lower bound first),
-    with the micro-batch MILP until ``deadline``. Returns (MILPs solved, micro-batches improved)."""
+    with the micro-batch MILP until ``deadline``. Returns (MILPs solved, micro-batches improved,
+    micro-batches proven: the MILP's dual bound, valid for any packing of the micro-batch's
+    sequences, within ``cfg.rel_gap`` of its makespan as it ends, improved or not; micro-batches
+    skipped as already within it of their own lower bound are not counted)."""
     order = sorted(range(len(layout)), key=lambda j: -tab.mb_ms(layout[j]) / max(
         packer.lower_bound(np.array([i for g in layout[j] for i in g.seqs]), 1), 1e-9))
-    solved = improved = 0
+    solved = improved = proven = 0
     for j in order:
         left = deadline.left()
         if left <= 0.05:
@@ -138,15 +141,13 @@ def refine_micro_batches_of(layout: list[list[Group]], tab: Tables, packer: Leve
         res = solve_step_milp(tab, longs, buckets, m_max=1, upper_ms=before * (1 + 1e-6), warm=[mb],
                               options=options, m_min=1)
         solved += 1
-        if not res.counts:
-            continue
-        if res.objective_ms >= before * (1 - 1e-6):
-            continue
-        new = realize(res, tab, buckets, deadline=deadline)
-        if new is not None and len(new) == 1 and tab.mb_ms(new[0]) < before * (1 - 1e-6):
-            layout[j] = new[0]
-            improved += 1
-    return solved, improved
+        if res.counts and res.objective_ms < before * (1 - 1e-6):
+            new = realize(res, tab, buckets, deadline=deadline)
+            if new is not None and len(new) == 1 and tab.mb_ms(new[0]) < before * (1 - 1e-6):
+                layout[j] = new[0]
+                improved += 1
+        proven += res.dual_bound_ms >= tab.mb_ms(layout[j]) * (1 - cfg.rel_gap)
+    return solved, improved, proven
 
 
 def milp_phase(tab: Tables, cfg: PlannerConfig, candidates: list, packer: LevelPacker, tail,
@@ -166,13 +167,13 @@ def milp_phase(tab: Tables, cfg: PlannerConfig, candidates: list, packer: LevelP
                 candidates.append((tab.step_ms(layout), name, layout))
     new_ms, name, layout = min(candidates, key=lambda c: c[0])
     copy = tab.clone_layout(layout)
-    solved, improved = refine_micro_batches_of(copy, tab, packer, cfg, deadline)
+    solved, improved, proven = refine_micro_batches_of(copy, tab, packer, cfg, deadline)
     if improved:
         candidates.append((tab.step_ms(copy), name + "+mb-milp", copy))
     final = min(c[0] for c in candidates)
     info.update({"milp_kind": kind, "milp_phase_s": time.perf_counter() - t0,
                  "milp_before_ms": best_ms, "milp_after_ms": final,
                  "milp_improved": final < best_ms * (1 - 1e-9), "mb_milp_solved": solved,
-                 "mb_milp_improved": improved})
+                 "mb_milp_improved": improved, "mb_milp_proven": proven})
     return bound
 
