@@ -5,7 +5,9 @@ Every batch is planned by every strategy (static, batchada, megatron-dcp, Megatr
 scheduler and flexsp) with the same cost model (GPT-7B with the paper's constants by default); the
 step times are simulated, the plan times are wall time on one core. Per cell: micro-batches per
 step, flexsp plan p50/p99, its proven gap (median / max), how often and by how much the MILPs
-improved the fast plan, and flexsp's speedup over each baseline (ratio of summed step times).
+improved the fast plan, how often the step MILP's dual bound raised the bound, how many of the
+micro-batch MILPs run proved their micro-batch within the gap tolerance, and flexsp's speedup over
+each baseline (ratio of summed step times).
 
 * default: Wikipedia lengths, global batch 8 x N, N = 64, 256, 1024 GPUs, plus a head-to-head with
   the reference's per-slot MILP on the first batches at the smallest N;
