@@ -111,9 +111,9 @@ def summarize(rows: list[dict]) -> dict:
         "slower_than_batchada": sum(r["flexsp"]["step_ms"] > r["batchada"]["step_ms"] * (1 + 1e-9)
                                     for r in rows),
         "milp_improved": len(gains), "milp_gain_mean": float(np.mean(gains)) if gains else 0.0,
-        "milp_raised_bound": sum(x.get("milp_raised_bound", False) for x in f),
-        "mb_milp_solved": sum(x.get("mb_milp_solved", 0) for x in f),
-        "mb_milp_proven": sum(x.get("mb_milp_proven", 0) for x in f),
+        "milp_raised_bound": sum(x["milp_raised_bound"] for x in f),
+        "mb_milp_solved": sum(x["mb_milp_solved"] for x in f),
+        "mb_milp_proven": sum(x["mb_milp_proven"] for x in f),
         "parts_mean": {k: float(np.mean([x["parts"][k] for x in f])) for k in f[0]["parts"]},
     }
 
@@ -163,7 +163,7 @@ def table(cells: list[dict]) -> list[str]:
             f"{s['plan_p99_s']:.2f} | {s['gap_median']:.2%} | {s['gap_max']:.2%} | {s['x_static']:.2f} | "
             f"{s['x_batchada']:.2f} | {s['x_dcp']:.2f} | {_hcp(s)} | "
             f"{s['slower_than_batchada']} | {s['milp_improved']}/{s['batches']} ({s['milp_gain_mean']:.2%}) | "
-            f"{s.get('milp_raised_bound', 0)}/{s['batches']} | {s.get('mb_milp_proven', 0)}/{s.get('mb_milp_solved', 0)} |")
+            f"{s['milp_raised_bound']}/{s['batches']} | {s['mb_milp_proven']}/{s['mb_milp_solved']} |")
     return lines
 
 

@@ -243,9 +243,9 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         tail = bounds.tail  # plans with more micro-batches than the MILP's (the LP's too where it ran)
         if lp is not None:
             tail = lambda m: max(bounds.tail(m), lp.more_than(m))  # noqa: E731
-        proven = milp_phase(tab, cfg, candidates, packer, tail, info, _phase(deadline, cfg, 0.87))
-        info["milp_raised_bound"] = proven > bound * (1 + 1e-9)  # (the step MILP's dual bound)
-        bound = max(bound, proven)
+        milp_bound = milp_phase(tab, cfg, candidates, packer, tail, info, _phase(deadline, cfg, 0.87))
+        info["milp_raised_bound"] = milp_bound > bound * (1 + 1e-9)  # (the step MILP's dual bound)
+        bound = max(bound, milp_bound)
     best_layout = min(candidates, key=lambda c: c[0])[2]
     items = sum(len(mb) for mb in best_layout) + len(tab.lens)
     window = _phase(deadline, cfg, 0.95).capped(deadline.end - ASSEMBLY_S_PER_ITEM * items)

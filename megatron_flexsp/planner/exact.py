@@ -113,7 +113,7 @@ def _phase_b(res: MilpResult, tab: Tables, longs: list[int], buckets, *, upper_m
 
 
 def refine_micro_batches_of(layout: list[list[Group]], tab: Tables, packer: LevelPacker, cfg: PlannerConfig,
-                            deadline, per_solve_s: float = 0.25) -> tuple[int, int]:
+                            deadline, per_solve_s: float = 0.25) -> tuple[int, int, int]:
     """Improve ``layout`` in place, one micro-batch at a time (furthest above its lower bound first),
     with the micro-batch MILP until ``deadline``. Returns (MILPs solved, micro-batches improved,
     micro-batches proven: the MILP's dual bound, valid for any packing of the micro-batch's
