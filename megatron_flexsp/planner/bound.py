@@ -108,8 +108,8 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
     pooled), within the slowest makespans still open and above the bound already proven.
     The LP places :func:`bound_units`' small set of units first (quick solves); once that pass
     has converged below the target with time left, every count is searched again with
-    :data:`WIDE_UNITS` (more sequences placed one by one), from the explicit micro-batches and
-    slowest makespans where the first pass ended and above what it proved.
+    :data:`WIDE_UNITS` (more sequences placed one by one), within the slowest makespans where the
+    first pass ended and above what it proved, from one explicit micro-batch again.
     ``target_ms`` (the best plan) caps the result.
     Past ``deadline`` the counts not reached keep their floors, so the result stays valid.
     ``count_floor``: bounds already proven for plans of a given count (e.g. the slot bound's,
@@ -155,9 +155,10 @@ def lp_step_bound(tab: Tables, *, target_ms: float, max_solves: int, max_extra: 
             break
         proven = {c: max(v, proven.get(c, 0.0)) for c, v in result.by_count}
         beyond_floor = max(beyond_floor, result.rest_ms)
-        # each count starts where the first pass ended: its explicit micro-batches, and the slowest
-        # makespans its open boxes still span (plans faster than the target are there)
-        start = {c: (s.k, *s.t1_range()) for c, s in run.found.items() if s.heap}
+        # each count starts within the slowest makespans the first pass's open boxes still span
+        # (plans faster than the target are there), with one explicit micro-batch again: with the
+        # wide units each explicit one costs more per solve, and it goes up to more as the first did
+        start = {c: (1, *s.t1_range()) for c, s in run.found.items() if s.heap}
     placed = []
     for m in sorted((c for c in found if found[c].heap), key=lambda c: found[c].bound)[:hints]:
         found[m].lp.deadline = hint_deadline

@@ -463,7 +463,9 @@ def test_a_count_search_never_gives_back_a_bound_it_proved():
 def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch):
     """The bound searches with few units placed one by one first and, once that pass converged
     below the target, again with :data:`~planner.bound.WIDE_UNITS`: each count's second search
-    starts with as many explicit micro-batches as the first ended with, the result is at least
+    starts with one explicit micro-batch (its solves are the quicker; with the wide units on a
+    lognormal-4k step at 1,024 GPUs it rose to 15,000 ms in 1.6 s where starting with the first
+    pass's three reached 14,987 ms) and goes up to more as the first did, the result is at least
     what the first pass alone proves (whatever the second pass proves by itself), and it stays
     below the brute-force optimum. (Tiny instances: the first pass forced down to 2 singles and 1
     bucket, the second to buckets alone, which proves less by itself.)"""
@@ -481,7 +483,7 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
             super().__init__(tab, m, units_, *args, explicit=explicit, **kw)
 
     monkeypatch.setattr(bound_mod, "CountSearch", Counting)
-    second = 0
+    second = deeper = 0
     for seed in range(6):
         cm, lens, opt = many_micro_batch_instance(seed)
         tab = Tables(np.asarray(lens), cm)
@@ -493,14 +495,13 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
         built.clear()
         r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=4000, max_extra=2, rel_tol=0.01)
         assert alone.bound_ms * (1 - 1e-9) <= r.bound_ms <= opt * (1 + 1e-6), (seed, alone, r, opt)
-        first = {}
+        starts: dict[int, int] = {}
         for wide, m, k in built:
             if wide:
-                assert k >= first.get(m, 1), (seed, m, k, first)
+                assert starts.setdefault(m, k) == 1, (seed, m, k)
                 second += 1
-            else:
-                first[m] = max(first.get(m, 0), k)
-    assert second > 0
+                deeper += k > 1
+    assert second > 0 and deeper > 0, (second, deeper)
 
 
 
