@@ -471,23 +471,11 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
     bucket, the second to buckets alone, which proves less by itself.)"""
     from megatron_flexsp.planner import bound as bound_mod
 
-    original = bound_mod.bound_units
-    built: list[tuple[bool, int, int]] = []  # (no single: the second pass, count, explicit)
-
-    def units(tab, **kw):  # the first pass's: 2 singles, 1 bucket; the wide pass's as asked
-        return original(tab, **(kw or {"num_buckets": 1, "max_single": 2}))
-
-    class Counting(bound_mod.CountSearch):
-        def __init__(self, tab, m, units_, *args, explicit, **kw):
-            built.append((not any(single for _, single in units_), m, explicit))
-            super().__init__(tab, m, units_, *args, explicit=explicit, **kw)
-
-    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
+    built = _record_two_passes(monkeypatch)
     second = deeper = 0
     for seed in range(6):
         cm, lens, opt = many_micro_batch_instance(seed)
         tab = Tables(np.asarray(lens), cm)
-        monkeypatch.setattr(bound_mod, "bound_units", units)
         monkeypatch.setattr(bound_mod, "WIDE_UNITS", {"num_buckets": 1, "max_single": 2})
         alone = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=4000, max_extra=2, rel_tol=0.01)
         # a second pass that proves less alone (everything bucketed): what the first proved stays
@@ -504,7 +492,6 @@ def test_second_pass_with_wide_units_keeps_the_first_and_stays_valid(monkeypatch
     assert second > 0 and deeper > 0, (second, deeper)
 
 
-
 def test_floors_handed_over_only_to_the_first_pass(monkeypatch):
     """``refloor`` (floors proven another way, for searches stalled at their floors) belongs to
     the first pass: the wide pass starts above what the first proved and needs many solves before
@@ -513,35 +500,45 @@ def test_floors_handed_over_only_to_the_first_pass(monkeypatch):
     hook is never called from the wide pass, and that pass runs until it converges."""
     from megatron_flexsp.planner import bound as bound_mod
 
-    original = bound_mod.bound_units
-    wide_built: list[int] = []
+    built = _record_two_passes(monkeypatch)
     calls: list[int] = []  # wide searches built when the hook was called
-
-    def units(tab, **kw):  # the first pass: 2 singles, 1 bucket; the wide pass: buckets alone
-        return original(tab, **(kw or {"num_buckets": 1, "max_single": 2}))
-
-    class Counting(bound_mod.CountSearch):
-        def __init__(self, tab, m, units_, *args, **kw):
-            if not any(single for _, single in units_):
-                wide_built.append(m)
-            super().__init__(tab, m, units_, *args, **kw)
-
-    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
-    monkeypatch.setattr(bound_mod, "bound_units", units)
     monkeypatch.setattr(bound_mod, "WIDE_UNITS", {"num_buckets": 1, "max_single": 0})
     second = 0
     for seed in range(6):
         cm, lens, opt = many_micro_batch_instance(seed)
         tab = Tables(np.asarray(lens), cm)
-        wide_built.clear()
+        built.clear()
         calls.clear()
         r = lp_step_bound(tab, target_ms=1.5 * opt, max_solves=4000, max_extra=2, rel_tol=0.01,
-                          deadline=Deadline(60.0), refloor=lambda: calls.append(len(wide_built)),
-                          refloor_after=2)
+                          deadline=Deadline(60.0), refloor_after=2,
+                          refloor=lambda: calls.append(sum(wide for wide, _, _ in built)))
         assert r.bound_ms <= opt * (1 + 1e-6), (seed, r, opt)
         assert all(c == 0 for c in calls), (seed, calls)
-        second += bool(wide_built)
+        second += any(wide for wide, _, _ in built)
     assert second > 0
+
+
+def _record_two_passes(monkeypatch) -> list[tuple[bool, int, int]]:
+    """The bound's two passes on tiny instances: the first pass's units forced to 2 singles and 1
+    bucket (the wide pass's as ``WIDE_UNITS`` asks); returns the list that records every count
+    search built, (no single: the wide pass, count, explicit micro-batches)."""
+    from megatron_flexsp.planner import bound as bound_mod
+
+    original = bound_mod.bound_units
+    built: list[tuple[bool, int, int]] = []
+
+    def units(tab, **kw):
+        return original(tab, **(kw or {"num_buckets": 1, "max_single": 2}))
+
+    class Counting(bound_mod.CountSearch):
+        def __init__(self, tab, m, units_, *args, explicit, **kw):
+            built.append((not any(single for _, single in units_), m, explicit))
+            super().__init__(tab, m, units_, *args, explicit=explicit, **kw)
+
+    monkeypatch.setattr(bound_mod, "CountSearch", Counting)
+    monkeypatch.setattr(bound_mod, "bound_units", units)
+    return built
+
 
 def test_few_micro_batches_go_to_all_but_one_explicit_at_once(monkeypatch):
     """A count whose search with one explicit micro-batch is done is searched again with more: up
