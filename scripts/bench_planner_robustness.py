@@ -5,8 +5,8 @@ The sweep (``bench_planner.py --sweep``) measures the targets on its corpora at 
 (``a100-paper``, GPT-7B). The planner's defaults must also hold where nobody tuned them: this
 benchmark plans batches of other shapes (uniform, one length for every document, exponential,
 narrow and wide lognormal, two spikes, Weibull, tiny documents, a Pareto index of 1.05, every
-document at the longest length, packed documents with a remainder) and sizes (1 to 4,096
-documents) on other settings (the H200 estimate with Llama-3-8B, whose fixed cost per
+document at the longest length, packed documents with a remainder) and sizes (1 to 65,536
+documents: the budget must hold however many a batch has) on other settings (the H200 estimate with Llama-3-8B, whose fixed cost per
 micro-batch is 16 ms where the A100 profile's is 629 ms; 256 GPUs), with flexsp at each setting's
 budget and BatchAda beside it. Per batch: plan time against the budget, the proven gap, the
 micro-batches, the speed-up over BatchAda, the family that won, or the error. Lengths are drawn
@@ -37,7 +37,7 @@ from megatron_flexsp.utils.report import header_lines, machine_speed, provenance
 MAX_SEQ_LEN = 196608
 #: profile/model/GPUs:budget seconds
 SETTINGS = "a100-paper/gpt-7b/64:1,a100-paper/gpt-7b/256:3,h200-estimate/llama3-8b/64:1,h200-estimate/gpt-7b/256:3"
-BATCHES = "1,7,64,512,4096"
+BATCHES = "1,7,64,512,4096,16384,65536"
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int) -> np.ndarray:

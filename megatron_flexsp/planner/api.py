@@ -54,6 +54,8 @@ GUIDED_SLACK = 0.05
 #: count (it usually needs a few hundredths of a second; batches needing hundreds of micro-batches
 #: took a second)
 HOMOGENEOUS_SHARE = 0.2
+#: the share of the budget at which the fast step search ends (and the candidates built before it)
+SEARCH_SHARE = 0.42
 #: seconds per group and per sequence that turning the chosen layout into a plan takes after the
 #: last phase (0.15 s for 4,096 micro-batches of one document each on a 2-core EPYC): the last
 #: phase ends that much before the deadline where it is more than the tenth of the budget left
@@ -168,33 +170,41 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     touched up (the local search and exchanges) to 95%, or earlier where assembling the plan
     (:data:`ASSEMBLY_S_PER_ITEM`) needs more than the rest. Past a budget of 1 s the 0.07 s,
     0.02 s and 0.01 s those phase ends moved for the bound (:func:`_phase_ends`) stay seconds, so
-    the shares tend to 62/79/83%."""
+    the shares tend to 62/79/83%. The candidates built before the search (the slot LP and its
+    rounding within the budget, Megatron-DCP's greedy within the search's share) give up at their
+    deadlines, so on batches of tens of thousands of documents the budget holds wherever the best
+    homogeneous plan is found within it; that plan alone is never cut short before it is found."""
     info: dict = {}
     candidates = []
     homo = H.best_homogeneous(tab, tab.sizes, deadline=_phase(deadline, cfg, HOMOGENEOUS_SHARE))
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
-    dcp = H.megatron_dcp(tab)  # memory-filling greedy: strong when memory sets the micro-batch count
-    if dcp is not None:
-        candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     info["homogeneous_time_s"] = deadline.elapsed()
-    slot = slot_lp(tab, cfg, info)
+    # the candidates below take milliseconds, but 0.1-0.6 s each on 65,536 documents, where the
+    # budget went to them (plans of 1.5-9.5 s for 1 s): the slot LP's rounding (the best of them
+    # there) within the budget, the greedy within the search's share
+    ends = _phase_ends(cfg.time_budget_s)
+    search_end = _phase(deadline, cfg, SEARCH_SHARE)
+    slot = slot_lp(tab, cfg, info, deadline)
     rounded = []
     if slot is not None:  # the slot LP's placement, rounded to one size per sequence and packed
-        layout = pack_at_sizes(tab, slot.sizes)
-        rounded.append((tab.step_ms(layout), "lp-rounded", layout))
+        layout = pack_at_sizes(tab, slot.sizes, deadline=deadline)
+        if layout is not None:
+            rounded.append((tab.step_ms(layout), "lp-rounded", layout))
+    dcp = H.megatron_dcp(tab, deadline=search_end)  # memory-filling greedy: strong when memory sets the count
+    if dcp is not None:
+        candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     packer = LevelPacker(tab)
     info["search_family_s"] = {}
     found = search_step(tab, packer, m_min=H.min_micro_batches(tab),
                         upper_ms=min((c[0] for c in candidates), default=math.inf),
-                        deadline=_phase(deadline, cfg, 0.42), times=info["search_family_s"],
+                        deadline=search_end, times=info["search_family_s"],
                         greedy=tab.clone_layout(dcp) if dcp is not None else None) + rounded
     found.sort(key=lambda c: c[0])
     families: dict[str, float] = {}
     for ms, name, _ in found:
         families.setdefault(name, ms)
     info["search_ms"] = families
-    ends = _phase_ends(cfg.time_budget_s)
     local = _phase(deadline, cfg, ends["polish"])
     if dcp is not None:
         found.append(candidates.pop())
@@ -324,14 +334,18 @@ def _slot_counts(tab: Tables, cfg: PlannerConfig) -> tuple[int, ...]:
     return tuple(range(m_min, m_min + cfg.max_extra_micro_batches + 2))
 
 
-def slot_lp(tab: Tables, cfg: PlannerConfig, info: dict) -> SlotLP | None:
+def slot_lp(tab: Tables, cfg: PlannerConfig, info: dict, deadline: Deadline | None = None) -> SlotLP | None:
     """The slot bound's LP (:mod:`slot_bound`, tens of milliseconds), with its value at each count
-    the LP bound searches and the one after; None when HiGHS fails it."""
+    the LP bound searches and the one after; None when HiGHS fails it or ``deadline`` passes first."""
     t0 = time.perf_counter()
+    left = math.inf if deadline is None else deadline.left()
+    if left <= 0:
+        return None
     try:
-        slot = solve_slot_lp(tab, counts=_slot_counts(tab, cfg))
-    except SolverTrouble as exc:
-        log.warning("%s; the slot bound and its rounded plan are left out", exc)
+        slot = solve_slot_lp(tab, counts=_slot_counts(tab, cfg), time_limit_s=left)
+    except SolverTrouble as exc:  # (at its time limit only where the batch is huge: not a fault)
+        late = deadline is not None and deadline.expired()
+        (log.debug if late else log.warning)("%s; the slot bound and its rounded plan are left out", exc)
         return None
     info.update(slot_bound_ms=slot.bound_ms, slot_m=slot.m, slot_time_s=time.perf_counter() - t0)
     return slot

@@ -313,12 +313,12 @@ def to_step_plan(layout: list[list[Group]], tab: Tables, *, strategy: str, metho
         groups = [g for g in mb if g.seqs]
         ranks = place_groups([g.size for g in groups], tab.cm.cluster)
         order = sorted(range(len(groups)), key=lambda k: ranks[k][0])
-        mbs.append(MicroBatchPlan(tuple(GroupPlan(ranks[k], tuple(groups[k].seqs),
+        mbs.append(MicroBatchPlan(tuple(GroupPlan(ranks[k], tuple(map(int, groups[k].seqs)),
                                                   tab.finish(groups[k])) for k in order)))
     mbs = [mb for mb in mbs if mb.groups]
     step = float(sum(mb.predicted_ms for mb in mbs))
     return StepPlan(num_gpus=tab.cm.cluster.num_gpus, gpus_per_node=tab.cm.cluster.gpus_per_node,
-                    seq_lens=tuple(int(x) for x in tab.lens), micro_batches=tuple(mbs),
+                    seq_lens=tuple(tab.lens.tolist()), micro_batches=tuple(mbs),
                     strategy=strategy, method=method, predicted_step_ms=step,
                     lower_bound_ms=lower_bound_ms, solve_time_s=solve_time_s, info=info or {},
                     tensor_parallel=tab.cm.parallel.tp, **extra)

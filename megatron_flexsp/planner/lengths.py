@@ -57,10 +57,13 @@ def validate_lengths(lens: np.ndarray) -> None:
 
 
 def remap_kept(plan: StepPlan, kept: np.ndarray, fix: LengthFix, original: np.ndarray) -> StepPlan:
-    """Express a plan of the kept sub-batch in indices of the whole batch."""
-    mbs = tuple(MicroBatchPlan(tuple(GroupPlan(g.ranks, tuple(int(kept[i]) for i in g.seqs),
-                                               g.predicted_ms) for g in mb.groups))
-                for mb in plan.micro_batches)
-    return dataclasses.replace(plan, micro_batches=mbs, seq_lens=tuple(int(x) for x in fix.lens),
-                               original_lens=tuple(int(x) for x in original), dropped=fix.dropped,
+    """Express a plan of the kept sub-batch in indices of the whole batch (unchanged where every
+    sequence was kept)."""
+    mbs = plan.micro_batches
+    if len(kept) != len(original):
+        index = kept.tolist()
+        mbs = tuple(MicroBatchPlan(tuple(GroupPlan(g.ranks, tuple(index[i] for i in g.seqs), g.predicted_ms)
+                                         for g in mb.groups)) for mb in mbs)
+    return dataclasses.replace(plan, micro_batches=mbs, seq_lens=tuple(fix.lens.tolist()),
+                               original_lens=tuple(original.tolist()), dropped=fix.dropped,
                                tokens_truncated=fix.tokens_truncated, tokens_dropped=fix.tokens_dropped)

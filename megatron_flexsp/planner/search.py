@@ -156,7 +156,7 @@ def groups_first_layouts(tab: Tables, items: np.ndarray, deadline: Deadline, dcp
     # GPUs it takes 0.01 s to build and 0.04-0.16 s to drain, often to no use)
     if deadline.expired() or not (dcp or greedy is not None):
         return chosen
-    greedy = greedy if greedy is not None else megatron_dcp(tab, items)
+    greedy = greedy if greedy is not None else megatron_dcp(tab, items, deadline=deadline)
     if greedy is not None and could_drain_below(greedy, tab, min(tab.step_ms(x) for x in chosen)):
         drain_micro_batches(greedy, tab, deadline=deadline, tries=DRAIN_TRIES)
         chosen.append(greedy)
@@ -239,6 +239,8 @@ def search_step(tab: Tables, packer: LevelPacker, *, m_min: int, upper_ms: float
     it (the groups-first family drains it in place; built here otherwise)."""
     items = np.arange(len(tab.lens))
     out: list[tuple[float, str, Layout]] = []
+    if deadline.expired():  # (the candidates before it took the search's time: a huge batch)
+        return out
     best = upper_ms
 
     clock = [time.perf_counter()]

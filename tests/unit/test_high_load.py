@@ -1,0 +1,136 @@
+"""The planner's budget on very large batches: the candidates built before the search stop at
+their deadline, the homogeneous search wastes no packing, and a plan's indices come out as Python
+ints without a remapping pass. (How long the planner takes is measured by
+``scripts/bench_planner_robustness.py``, not here.)"""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+from megatron_flexsp.config import PlannerConfig
+from megatron_flexsp.cost_model import CostModel, load_profile
+from megatron_flexsp.model_spec import get_model
+from megatron_flexsp.plan import StepPlan
+from megatron_flexsp.planner import heuristics as H
+from megatron_flexsp.planner import plan_step
+from megatron_flexsp.planner.groups_first import pack_at_sizes
+from megatron_flexsp.planner.layout import Tables
+from megatron_flexsp.planner.level import LevelPacker
+from megatron_flexsp.planner.search import Deadline, search_step
+from tests.unit.helpers import tiny_cost_model
+
+
+def _a100(num_gpus: int = 64) -> CostModel:
+    return CostModel.from_profile(load_profile("a100-paper"), get_model("gpt-7b"), num_gpus=num_gpus,
+                                  max_seq_len=196608)
+
+
+def _fewest_bins(lens: list[int], cap: int) -> int:
+    """The fewest bins of ``cap`` holding ``lens``, by trying every assignment (a few items only)."""
+    for bins in range(1, len(lens) + 1):
+        for assign in itertools.product(range(bins), repeat=len(lens)):
+            load = [0] * bins
+            for s, b in zip(lens, assign):
+                load[b] += s
+            if max(load) <= cap:
+                return bins
+    return len(lens)
+
+
+def test_groups_needed_bounds_every_packing():
+    """:func:`heuristics._groups_needed` is at most the fewest groups any packing needs (brute
+    force over random instances of up to seven sequences), and exact for sequences of one length."""
+    rng = np.random.default_rng(3)
+    tight = 0
+    for _ in range(120):
+        n, cap = int(rng.integers(1, 8)), int(rng.integers(10, 60))
+        lens = rng.integers(1, cap + 1, n).tolist()
+        exact = _fewest_bins(lens, cap)
+        got = H._groups_needed(np.sort(np.array(lens)), cap)
+        assert got <= exact, (lens, cap, got, exact)
+        tight += got == exact
+    assert tight >= 60  # a bound that says something, not zero
+    for length, cap, n in ((4096, 23968, 65536), (7, 20, 11), (10, 10, 5)):
+        assert H._groups_needed(np.full(n, length), cap) == -(-n // (cap // length))
+
+
+def test_homogeneous_search_tries_the_most_promising_size_first():
+    """512 documents of 4,096 tokens at 64 GPUs: groups of one GPU have the least GPU-time but need
+    eight micro-batches (one document a GPU); groups of eight need six and are faster. With no time
+    the search returns what its first size finds: the untimed best, not the one-GPU plan."""
+    tab = Tables(np.full(512, 4096), _a100())
+    least_gpu_time = min(tab.sizes, key=lambda d: float(tab.time[d].sum()) * d)
+    full = H.best_homogeneous(tab, tab.sizes)
+    late = H.best_homogeneous(tab, tab.sizes, deadline=Deadline(0.0))
+    assert least_gpu_time == 1 and full[1] == 8  # the case this test is about
+    assert late[1] == full[1] and len(late[0]) == len(full[0])
+    assert tab.step_ms(late[0]) == pytest.approx(tab.step_ms(full[0]), rel=1e-9)
+    one_gpu = H.homogeneous(tab, 1, len(late[0]) + 2)  # eight micro-batches: one document a GPU
+    assert one_gpu is not None and tab.step_ms(one_gpu) > 1.03 * tab.step_ms(full[0])
+
+
+def test_homogeneous_search_packs_no_count_twice(monkeypatch):
+    """The bisection back to the fewest counts with room packs counts the search then steps through
+    again: each (size, count) is packed once (4,096 documents of up to 64K tokens at 64 GPUs)."""
+    tab = Tables(np.random.default_rng(7).integers(1, 65536, 4096), _a100())
+    tries = []
+    real = H._homogeneous_ms
+    monkeypatch.setattr(H, "_homogeneous_ms", lambda tab_, d, m, order: tries.append((d, m)) or real(tab_, d, m, order))
+    found = H.best_homogeneous(tab, tab.sizes)
+    assert found is not None and len(tries) >= 5
+    assert len(set(tries)) == len(tries), sorted(tries)
+
+
+def test_candidates_built_before_the_search_stop_at_their_deadline():
+    """Megatron-DCP's greedy and the rounding of the slot LP's sizes give up (None) once their
+    deadline has passed; with time left they build the same layout as without one."""
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
+    tab = Tables(np.random.default_rng(0).integers(5, 900, size=60), cm)
+    assert H.megatron_dcp(tab, deadline=Deadline(0.0)) is None
+    assert pack_at_sizes(tab, tab.min_size, deadline=Deadline(0.0)) is None
+
+    def shape(layout):
+        return [[(g.size, sorted(g.seqs)) for g in mb] for mb in layout]
+
+    assert shape(H.megatron_dcp(tab, deadline=Deadline(60.0))) == shape(H.megatron_dcp(tab))
+    assert shape(pack_at_sizes(tab, tab.min_size, deadline=Deadline(60.0))) == shape(pack_at_sizes(tab, tab.min_size))
+
+    class PassesOnceAsked:  # a deadline that passes while the greedy fills its first micro-batch
+        asked = 0
+
+        def expired(self) -> bool:
+            self.asked += 1
+            return self.asked > 1
+
+    one = Tables(np.random.default_rng(0).integers(5, 900, size=20), tiny_cost_model(8, 4, 2000))
+    assert len(H.megatron_dcp(one)) == 1  # one micro-batch: only the check within it can stop it
+    assert H.megatron_dcp(one, deadline=PassesOnceAsked()) is None
+
+
+def test_search_past_its_deadline_builds_nothing():
+    """The step search entered with its deadline passed (the candidates before it took its share)
+    returns no layout instead of one stuffing per micro-batch."""
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=2000)
+    tab = Tables(np.random.default_rng(1).integers(5, 900, size=60), cm)  # two micro-batches
+    packer = LevelPacker(tab)
+    late = search_step(tab, packer, m_min=H.min_micro_batches(tab), upper_ms=np.inf, deadline=Deadline(0.0))
+    assert late == []
+    assert search_step(tab, packer, m_min=H.min_micro_batches(tab), upper_ms=np.inf, deadline=Deadline(5.0))
+
+
+@pytest.mark.parametrize("policy", ["truncate", "drop"])
+def test_plan_indices_are_python_ints_with_or_without_a_dropped_sequence(policy):
+    """Every sequence kept: the plan's indices are the planner's own (no remapping pass), Python
+    ints, and survive the JSON round trip; one dropped: they are remapped past it."""
+    cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
+    lens = np.random.default_rng(2).integers(5, 900, size=40)
+    lens[7] = 10 * cm.max_tokens  # over the cluster's length: truncated, or dropped
+    plan = plan_step(lens, cm, config=PlannerConfig(over_length=policy, time_budget_s=0.3))
+    seqs = [i for mb in plan.micro_batches for g in mb.groups for i in g.seqs]
+    assert all(type(i) is int for i in seqs)
+    expected = list(range(40)) if policy == "truncate" else [i for i in range(40) if i != 7]
+    assert sorted(seqs) == expected
+    assert StepPlan.from_json(plan.to_json()).micro_batches == plan.micro_batches
+    assert json.loads(plan.to_json())["seq_lens"][7] == (cm.max_tokens if policy == "truncate" else 0)
