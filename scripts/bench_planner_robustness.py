@@ -10,7 +10,8 @@ documents: the budget must hold however many a batch has) on other settings (the
 micro-batch is 16 ms where the A100 profile's is 629 ms; 256 GPUs), with flexsp at each setting's
 budget and BatchAda beside it. Per batch: plan time against the budget, the proven gap, the
 micro-batches, the speed-up over BatchAda, the family that won, or the error. Lengths are drawn
-with a fixed seed; documents longer than the cluster holds are truncated (and counted).
+with a fixed seed, each batch from its own stream (seed, setting, shape, size); documents longer
+than the cluster holds are truncated (and counted).
 
     python scripts/bench_planner_robustness.py --md docs/planner-robustness.md --out out/bench_planner_robustness.json
 """
@@ -21,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -77,7 +79,6 @@ def one(cm: CostModel, lens: np.ndarray, budget: float) -> dict:
 
 
 def run(args) -> dict:
-    rng = np.random.default_rng(args.seed)
     rows = []
     for setting in args.settings.split(","):
         where, budget = setting.rsplit(":", 1)
@@ -86,6 +87,8 @@ def run(args) -> dict:
                                     max_seq_len=MAX_SEQ_LEN)
         for shape in args.shapes.split(","):
             for n in map(int, args.batches.split(",")):
+                # each batch from its own stream: adding a size or a shape leaves the others' batches alone
+                rng = np.random.default_rng([args.seed, zlib.crc32(f"{where}/{shape}/{n}".encode())])
                 lens = np.maximum(np.asarray(SHAPES[shape](rng, n), dtype=np.float64), 1).astype(np.int64)
                 row = {"setting": where, "budget_s": float(budget), "shape": shape, "documents": n,
                        **one(cm, lens, float(budget))}

@@ -127,12 +127,11 @@ def opening_sizes(tab: Tables, bin_size: int, level: float, items: np.ndarray) -
     return out
 
 
-def pack_at_sizes(tab: Tables, sizes: np.ndarray, deadline=None) -> Layout | None:
+def pack_at_sizes(tab: Tables, sizes: np.ndarray) -> Layout:
     """A layout with each sequence ``i`` in a group of ``sizes[i]`` GPUs (raised to its smallest
     size): longest first, by best fit into an open group of that size with memory room, else a new
     one; each group then shrinks to the smallest size holding its tokens; groups placed by
-    :func:`place_by_time`. None once ``deadline`` (with ``expired()``) has passed before the
-    layout is complete (0.1-0.4 s for 65,536 documents)."""
+    :func:`place_by_time`."""
     sizes = np.maximum(np.asarray(sizes, dtype=np.int64), tab.min_size)
     if sizes.shape != tab.lens.shape or not set(sizes.tolist()) <= set(tab.sizes):
         raise ValueError(f"sizes must give one allowed group size {tab.sizes} per sequence "
@@ -142,9 +141,7 @@ def pack_at_sizes(tab: Tables, sizes: np.ndarray, deadline=None) -> Layout | Non
     contents: list[list[int]] = []
     room: list[int] = []
     lens_l, sizes_l = lens.tolist(), sizes.tolist()
-    for n_done, i in enumerate(np.argsort(-lens, kind="stable").tolist()):
-        if not n_done & 4095 and deadline is not None and deadline.expired():
-            return None
+    for i in np.argsort(-lens, kind="stable").tolist():
         s, rooms = lens_l[i], open_rooms[sizes_l[i]]
         k = bisect.bisect_left(rooms, (s, -1))
         if k < len(rooms):
@@ -156,8 +153,6 @@ def pack_at_sizes(tab: Tables, sizes: np.ndarray, deadline=None) -> Layout | Non
             room.append(int(tab.cap[sizes_l[i]]))
         room[g] -= s
         bisect.insort(rooms, (room[g], g))
-    if deadline is not None and deadline.expired():
-        return None
     return place_by_time(tab, _shrunk(tab, contents, [int(sizes[c[0]]) for c in contents]))
 
 

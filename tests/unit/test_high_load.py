@@ -1,5 +1,5 @@
-"""The planner's budget on very large batches: the candidates built before the search stop at
-their deadline, the homogeneous search wastes no packing, and a plan's indices come out as Python
+"""The planner's budget on very large batches: Megatron-DCP's greedy and the search stop at their
+deadlines, the homogeneous search wastes no packing, and a plan's indices come out as Python
 ints without a remapping pass. (How long the planner takes is measured by
 ``scripts/bench_planner_robustness.py``, not here.)"""
 
@@ -15,7 +15,6 @@ from megatron_flexsp.model_spec import get_model
 from megatron_flexsp.plan import StepPlan
 from megatron_flexsp.planner import heuristics as H
 from megatron_flexsp.planner import plan_step
-from megatron_flexsp.planner.groups_first import pack_at_sizes
 from megatron_flexsp.planner.layout import Tables
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.search import Deadline, search_step
@@ -83,19 +82,17 @@ def test_homogeneous_search_packs_no_count_twice(monkeypatch):
     assert len(set(tries)) == len(tries), sorted(tries)
 
 
-def test_candidates_built_before_the_search_stop_at_their_deadline():
-    """Megatron-DCP's greedy and the rounding of the slot LP's sizes give up (None) once their
-    deadline has passed; with time left they build the same layout as without one."""
+def test_megatron_dcp_as_a_candidate_stops_at_its_deadline():
+    """Megatron-DCP's greedy gives up (None) once its deadline has passed, also within a
+    micro-batch; with time left it builds the same layout as without one."""
     cm = tiny_cost_model(num_gpus=8, gpus_per_node=4, capacity_tokens=200)
     tab = Tables(np.random.default_rng(0).integers(5, 900, size=60), cm)
     assert H.megatron_dcp(tab, deadline=Deadline(0.0)) is None
-    assert pack_at_sizes(tab, tab.min_size, deadline=Deadline(0.0)) is None
 
     def shape(layout):
         return [[(g.size, sorted(g.seqs)) for g in mb] for mb in layout]
 
     assert shape(H.megatron_dcp(tab, deadline=Deadline(60.0))) == shape(H.megatron_dcp(tab))
-    assert shape(pack_at_sizes(tab, tab.min_size, deadline=Deadline(60.0))) == shape(pack_at_sizes(tab, tab.min_size))
 
     class PassesOnceAsked:  # a deadline that passes while the greedy fills its first micro-batch
         asked = 0
