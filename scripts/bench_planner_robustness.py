@@ -6,9 +6,9 @@ The sweep (``bench_planner.py --sweep``) measures the targets on its corpora at 
 benchmark plans batches of other shapes (uniform, one length for every document, exponential,
 narrow and wide lognormal, two spikes, Weibull, tiny documents, a Pareto index of 1.05, every
 document at the longest length, packed documents with a remainder) and sizes (1 to 65,536
-documents: the budget must hold however many a batch has) on other settings (the H200 estimate with Llama-3-8B, whose fixed cost per
-micro-batch is 16 ms where the A100 profile's is 629 ms; 256 GPUs), with flexsp at each setting's
-budget and BatchAda beside it. Per batch: plan time against the budget, the proven gap, the
+documents: the budget must hold however many a batch has) on other settings (the H200 estimate
+with Llama-3-8B, whose fixed cost per micro-batch is 16 ms where the A100 profile's is 629 ms;
+256 GPUs), with flexsp at each setting's budget and BatchAda beside it. Per batch: plan time against the budget, the proven gap, the
 micro-batches, the speed-up over BatchAda, the family that won, or the error. Lengths are drawn
 with a fixed seed, each batch from its own stream (seed, setting, shape, size); documents longer
 than the cluster holds are truncated (and counted).
