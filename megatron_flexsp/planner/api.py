@@ -190,7 +190,7 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     if slot is not None:  # the slot LP's placement, rounded to one size per sequence and packed
         layout = pack_at_sizes(tab, slot.sizes)
         rounded.append((tab.step_ms(layout), "lp-rounded", layout))
-    dcp = H.megatron_dcp(tab, deadline=search_end)  # memory-filling greedy: strong when memory sets the count
+    dcp = H.megatron_dcp(tab, deadline=search_end)  # memory-filling: strong where memory sets the count
     if dcp is not None:
         candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))
     packer = LevelPacker(tab)

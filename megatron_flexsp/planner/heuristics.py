@@ -93,14 +93,15 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
 
     Per size, micro-batch counts from the memory minimum (or, when more, the groups every packing
     needs: :func:`_groups_needed`) up, until ``extra_micro_batches`` counts in a row do not
-    improve on that size's best (or 64 counts find no room); a (size, count) whose lower bound (fixed costs plus
-    GPU-time over N, or the longest sequence) cannot beat the best so far ends that size's counts.
-    Counts where LPT finds no room are stepped over 1, 2, 4, ... at a time, then bisected back to
-    the fewest with room (a batch needing 397 micro-batches of 16 had 43 counts without room from
-    the memory minimum on). Sizes are tried by the simple bound at their first count. ``deadline`` (with
-    ``expired()``): no further count is tried once it has passed and a layout was found (each try
-    packs the whole batch: 20 ms for 4,096 documents at 64 GPUs, 0.1 s for 65,536, and a batch
-    needing 470 micro-batches tried 49 counts)."""
+    improve on that size's best (or 64 counts find no room); a (size, count) whose lower bound
+    (fixed costs plus GPU-time over N, or the longest sequence) cannot beat the best so far ends
+    that size's counts. Counts where LPT finds no room are stepped over 1, 2, 4, ... at a time,
+    then bisected back to the fewest with room (a batch needing 397 micro-batches of 16 had 43
+    counts without room from the memory minimum on); no count is packed twice. Sizes are tried by
+    that lower bound at their first count, least first. ``deadline`` (with ``expired()``): no
+    further count is tried once it has passed and a layout was found (each try packs the whole
+    batch: 20 ms for 4,096 documents at 64 GPUs, 0.1 s for 65,536, and a batch needing 470
+    micro-batches tried 49 counts)."""
     best, best_ms, best_d = None, math.inf, 0
     m0 = min_micro_batches(tab)
     longest = int(tab.lens.max())

@@ -76,7 +76,8 @@ def test_homogeneous_search_packs_no_count_twice(monkeypatch):
     tab = Tables(np.random.default_rng(7).integers(1, 65536, 4096), _a100())
     tries = []
     real = H._homogeneous_ms
-    monkeypatch.setattr(H, "_homogeneous_ms", lambda tab_, d, m, order: tries.append((d, m)) or real(tab_, d, m, order))
+    monkeypatch.setattr(H, "_homogeneous_ms",
+                        lambda tab_, d, m, order: tries.append((d, m)) or real(tab_, d, m, order))
     found = H.best_homogeneous(tab, tab.sizes)
     assert found is not None and len(tries) >= 5
     assert len(set(tries)) == len(tries), sorted(tries)
