@@ -160,9 +160,9 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
-    the best homogeneous plan (no further count tried past 20% of the budget), the slot LP (a
-    bound, and its placement rounded into a plan), the fast search (to 42% of the budget),
-    polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs the best
+    the slot LP (a bound, and its placement rounded into a plan), the best homogeneous plan faster
+    than that one (no further count tried past 20% of the budget), the fast search (to 42% of the
+    budget), polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs the best
     plan's fastest micro-batches, :func:`~planner.tail.repack_tail`, then searches the bound
     again, deeper, :func:`~planner.bound.deeper_bound`), plans rounded from its
     relaxation (to 84%), then
@@ -170,26 +170,31 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     touched up (the local search and exchanges) to 95%, or earlier where assembling the plan
     (:data:`ASSEMBLY_S_PER_ITEM`) needs more than the rest. Past a budget of 1 s the 0.07 s,
     0.02 s and 0.01 s those phase ends moved for the bound (:func:`_phase_ends`) stay seconds, so
-    the shares tend to 62/79/83%. The best homogeneous plan and the slot LP's rounding are built
-    whatever the time (the plan is never slower than either); Megatron-DCP's greedy gives up at the
-    search's end and the search builds nothing past it, so on batches of tens of thousands of
-    documents the budget holds wherever those two fit in it."""
+    the shares tend to 62/79/83%. The slot LP's rounding and, where some homogeneous layout's
+    lower bound is below it, the best homogeneous plan are built whatever the time (the plan is
+    never slower than either); Megatron-DCP's greedy gives up at the search's end and the search
+    builds nothing past it, so on batches of tens of thousands of documents the budget holds
+    wherever those two fit in it."""
     info: dict = {}
     candidates = []
-    homo = H.best_homogeneous(tab, tab.sizes, deadline=_phase(deadline, cfg, HOMOGENEOUS_SHARE))
-    if homo is not None:
-        candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
-    info["homogeneous_time_s"] = deadline.elapsed()
-    # the candidates below take milliseconds, but 0.1-0.6 s each on 65,536 documents: the slot LP's
-    # rounding is built whatever the time (on such batches it is the plan: cut short, the
-    # homogeneous one was 31-46% slower), Megatron-DCP's greedy only within the search's share
-    ends = _phase_ends(cfg.time_budget_s)
-    search_end = _phase(deadline, cfg, SEARCH_SHARE)
+    # the slot LP's placement, rounded to one size per sequence and packed, first: it is built
+    # whatever the time (on batches of 65,536 documents it is the plan; cut short, the homogeneous
+    # one was 31-46% slower), and the homogeneous search then looks only for layouts faster than
+    # it. The candidates take milliseconds, but 0.1-0.6 s each on 65,536 documents
     slot = slot_lp(tab, cfg, info)
     rounded = []
-    if slot is not None:  # the slot LP's placement, rounded to one size per sequence and packed
+    if slot is not None:
         layout = pack_at_sizes(tab, slot.sizes)
         rounded.append((tab.step_ms(layout), "lp-rounded", layout))
+    t0 = deadline.elapsed()
+    homo = H.best_homogeneous(tab, tab.sizes, deadline=_phase(deadline, cfg, HOMOGENEOUS_SHARE),
+                              faster_than=min((c[0] for c in rounded), default=math.inf))
+    if homo is not None:
+        candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
+    info["homogeneous_time_s"] = deadline.elapsed() - t0
+    # Megatron-DCP's greedy only within the search's share
+    ends = _phase_ends(cfg.time_budget_s)
+    search_end = _phase(deadline, cfg, SEARCH_SHARE)
     dcp = H.megatron_dcp(tab, deadline=search_end)  # memory-filling: strong where memory sets the count
     if dcp is not None:
         candidates.append((tab.step_ms(dcp), "dcp-greedy", dcp))

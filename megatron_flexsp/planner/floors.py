@@ -39,11 +39,15 @@ class StepFloors:
     area: float
     heads: tuple[float, ...]
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_heads", np.asarray(self.heads, dtype=np.float64))
+
     def at_least(self, m: int) -> float:
         """A valid lower bound (ms) on the step time of plans with ``m`` or more micro-batches."""
         best = m * self.f_min + self.area
-        for k, value in enumerate(self.heads[:max(m, 0)], start=1):
-            best = max(best, value + (m - k) * self.f_min)
+        heads = self._heads[:max(m, 0)]
+        if len(heads):  # the k slowest heads, the others at their fixed costs at least
+            best = max(best, float((heads + (m - np.arange(1, len(heads) + 1)) * self.f_min).max()))
         return best
 
 
@@ -63,21 +67,23 @@ def step_floors(tab: Tables) -> StepFloors:
     cheap_tokens = np.concatenate(([0.0], np.cumsum(lens[by_rate])))
     cheap_ms = np.concatenate(([0.0], np.cumsum(gpu_ms[by_rate])))
 
-    def least_gpu_ms(tokens: float) -> float:  # the cheapest ``tokens`` of the others (GPU-ms)
-        if tokens <= 0.0 or not len(by_rate):
-            return 0.0
-        whole = min(int(np.searchsorted(cheap_tokens, tokens)), len(by_rate))
-        prev = whole - 1  # cheapest ``prev`` whole, then a share of the next
-        share = (tokens - cheap_tokens[prev]) / lens[by_rate[prev]]
-        return float(cheap_ms[prev] + min(share, 1.0) * gpu_ms[by_rate[prev]])
-
-    heads = []
-    total_heads = float(crit[slowest])
-    for k in range(1, min_micro_batches(tab) + 1):
-        if k > 1:  # the k-th head: the first sequence whose slowest-first prefix overflows k-1 micro-batches
-            j = int(np.searchsorted(held, (k - 1) * mb_tokens, side="right"))
-            if j >= len(held):
-                break
-            total_heads += float(crit[by_crit[j]])
-        heads.append(total_heads + least_gpu_ms(float(lens.sum()) - k * mb_tokens) / n)
-    return StepFloors(f_min, float(gpu_ms.sum()) / n, tuple(heads))
+    # the k-th head (k >= 2): the first sequence whose slowest-first prefix overflows k-1
+    # micro-batches; k runs up to the memory minimum, or while such a sequence exists
+    k = np.arange(1, min_micro_batches(tab) + 1)
+    j = np.searchsorted(held, (k[1:] - 1) * mb_tokens, side="right")
+    stop = np.flatnonzero(j >= len(held))
+    j = j[:stop[0]] if len(stop) else j
+    k = k[:len(j) + 1]
+    total_heads = np.cumsum(np.concatenate(([float(crit[slowest])], crit[by_crit[j]])))
+    # and the cheapest tokens the other micro-batches hold (GPU-ms): the cheapest ``prev`` whole,
+    # then a share of the next
+    tokens = float(lens.sum()) - k * mb_tokens
+    cheap = np.zeros(len(k))
+    if len(by_rate):
+        pos = tokens > 0.0
+        whole = np.minimum(np.searchsorted(cheap_tokens, tokens[pos]), len(by_rate))
+        prev = whole - 1
+        share = (tokens[pos] - cheap_tokens[prev]) / lens[by_rate[prev]]
+        cheap[pos] = cheap_ms[prev] + np.minimum(share, 1.0) * gpu_ms[by_rate[prev]]
+    heads = total_heads + cheap / n
+    return StepFloors(f_min, float(gpu_ms.sum()) / n, tuple(heads.tolist()))

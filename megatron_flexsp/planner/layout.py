@@ -309,13 +309,18 @@ def to_step_plan(layout: list[list[Group]], tab: Tables, *, strategy: str, metho
                  **extra) -> StepPlan:
     """Place every micro-batch's groups on ranks (node-aligned) and attach predicted times."""
     mbs = []
+    placed: dict[tuple[int, ...], tuple[list, list[int]]] = {}  # group sizes -> ranks, rank order
     for mb in layout:
         groups = [g for g in mb if g.seqs]
-        ranks = place_groups([g.size for g in groups], tab.cm.cluster)
-        order = sorted(range(len(groups)), key=lambda k: ranks[k][0])
-        mbs.append(MicroBatchPlan(tuple(GroupPlan(ranks[k], tuple(map(int, groups[k].seqs)),
-                                                  tab.finish(groups[k])) for k in order)))
-    mbs = [mb for mb in mbs if mb.groups]
+        if not groups:
+            continue
+        sizes = tuple([g.size for g in groups])
+        if sizes not in placed:  # (65,536 micro-batches of one group: 0.5 s placed one by one)
+            ranks = place_groups(list(sizes), tab.cm.cluster)
+            placed[sizes] = ranks, sorted(range(len(groups)), key=lambda k: ranks[k][0])
+        ranks, order = placed[sizes]
+        mbs.append(MicroBatchPlan(tuple([GroupPlan(ranks[k], tuple(map(int, groups[k].seqs)),
+                                                   tab.finish(groups[k])) for k in order])))
     step = float(sum(mb.predicted_ms for mb in mbs))
     return StepPlan(num_gpus=tab.cm.cluster.num_gpus, gpus_per_node=tab.cm.cluster.gpus_per_node,
                     seq_lens=tuple(tab.lens.tolist()), micro_batches=tuple(mbs),

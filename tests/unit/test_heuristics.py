@@ -76,7 +76,7 @@ def test_best_homogeneous_steps_over_counts_without_room(monkeypatch):
     d, m0 = 16, H.min_micro_batches(tab)
     scan = {}
     for m in range(m0, m0 + 80):
-        scan[m] = H._homogeneous_ms(tab, d, m, np.argsort(-tab.lens, kind="stable").tolist())
+        scan[m] = H._homogeneous_ms(tab, d, m, np.argsort(-tab.lens, kind="stable").tolist())[0]
     first = min(m for m, ms in scan.items() if np.isfinite(ms))
     assert first - m0 >= 20  # the case this test is about
     best_m, best_ms, misses = first, scan[first], 0
@@ -110,7 +110,8 @@ def test_best_homogeneous_past_its_deadline_still_returns_a_plan(monkeypatch):
     late = H.best_homogeneous(tab, tab.sizes, deadline=Deadline(0.0))
     assert late is not None and full is not None
     assert len(tries) < n_full
-    finite = [m for m in tries if np.isfinite(real(tab, late[1], m, np.argsort(-tab.lens, kind="stable").tolist()))]
+    order = np.argsort(-tab.lens, kind="stable").tolist()
+    finite = [m for m in tries if np.isfinite(real(tab, late[1], m, order)[0])]
     assert len(late[0]) == min(finite)  # the fewest counts with room (bisected), nothing past them
     assert tab.step_ms(late[0]) >= tab.step_ms(full[0]) - 1e-6
 

@@ -1,5 +1,6 @@
 """The planner's budget on very large batches: Megatron-DCP's greedy and the search stop at their
-deadlines, the homogeneous search wastes no packing, and a plan's indices come out as Python
+deadlines, the homogeneous search wastes no packing (none where the plan in hand beats every
+homogeneous layout's lower bound), and a plan's indices come out as Python
 ints without a remapping pass. (How long the planner takes is measured by
 ``scripts/bench_planner_robustness.py``, not here.)"""
 
@@ -81,6 +82,79 @@ def test_homogeneous_search_packs_no_count_twice(monkeypatch):
     found = H.best_homogeneous(tab, tab.sizes)
     assert found is not None and len(tries) >= 5
     assert len(set(tries)) == len(tries), sorted(tries)
+
+
+def test_homogeneous_search_looks_only_below_a_plan_in_hand(monkeypatch):
+    """``faster_than``: with a plan in hand just slower than the best homogeneous one the search
+    finds that one; with one faster than every size's lower bound it packs nothing and returns None
+    (4,096 documents of up to 64K tokens at 64 GPUs)."""
+    tab = Tables(np.random.default_rng(7).integers(1, 65536, 4096), _a100())
+    tries = []
+    real = H._homogeneous_ms
+    monkeypatch.setattr(H, "_homogeneous_ms", lambda *a: tries.append(a[1:3]) or real(*a))
+    layout, d = H.best_homogeneous(tab, tab.sizes)
+    best_ms = tab.step_ms(layout)
+    tries.clear()
+    again = H.best_homogeneous(tab, tab.sizes, faster_than=best_ms * 1.001)
+    assert again is not None and again[1] == d and tab.step_ms(again[0]) == pytest.approx(best_ms, rel=1e-12)
+    tries.clear()
+    assert H.best_homogeneous(tab, tab.sizes, faster_than=best_ms) is None  # none is faster than itself
+    tries.clear()
+    gpu_time = min(float(tab.time[x].sum()) * x for x in tab.sizes) / 64  # every size's bound is above it
+    assert H.best_homogeneous(tab, tab.sizes, faster_than=gpu_time) is None and tries == []
+
+
+def test_planner_packs_no_homogeneous_layout_its_rounded_plan_beats(monkeypatch):
+    """256 documents of up to 60K tokens at 64 GPUs: the slot LP's rounded plan is faster than
+    every homogeneous layout's lower bound, so the planner packs none (each packing of 65,536
+    documents takes 0.1 s), and its plan is still no slower than BatchAda's."""
+    cm = _a100()
+    lens = np.random.default_rng(0).integers(1, 60000, 256)
+    tries = []
+    real = H._homogeneous_ms
+    monkeypatch.setattr(H, "_homogeneous_ms", lambda *a: tries.append(a[1:3]) or real(*a))
+    plan = plan_step(lens, cm, config=PlannerConfig(time_budget_s=0.3))
+    assert tries == []
+    ada = plan_step(lens, cm, strategy="batchada")
+    assert tries  # (BatchAda's own search does pack)
+    assert plan.predicted_step_ms <= ada.predicted_step_ms * (1 + 1e-9)
+
+
+def test_step_floors_at_many_micro_batches_match_a_scalar_reference():
+    """The floors for every count up to the memory minimum (here over 100) are computed at once;
+    a per-count loop over the module docstring's definition, written here, gives the same values
+    to the last bit, and so does ``at_least`` against its own per-head loop."""
+    from megatron_flexsp.planner.floors import step_floors
+
+    tab = Tables(np.random.default_rng(3).integers(1000, 196608, 2000), _a100())
+    n, cap = 64, float(64 * tab.cm.capacity_tokens)
+    floors = step_floors(tab)
+    crit, lens = tab.critical_ms(), tab.lens.astype(np.float64)
+    gpu = tab.least_gpu_time_ms()
+    slowest_first = sorted(range(len(lens)), key=lambda i: -crit[i])
+    rest = sorted((i for i in range(len(lens)) if i != slowest_first[0]), key=lambda i: gpu[i] / lens[i])
+    heads, total, held, pos = [], float(crit[slowest_first[0]]), 0.0, 0
+    for k in range(1, H.min_micro_batches(tab) + 1):
+        if k > 1:
+            while pos < len(lens) and held + lens[slowest_first[pos]] <= (k - 1) * cap:
+                held += lens[slowest_first[pos]]
+                pos += 1
+            if pos >= len(lens):
+                break
+            total += float(crit[slowest_first[pos]])
+        left, cheap = float(lens.sum()) - k * cap, 0.0
+        for i in rest:  # the cheapest tokens per GPU-ms first, the last in part
+            if left <= 0.0:
+                break
+            cheap += min(left / lens[i], 1.0) * gpu[i]
+            left -= lens[i]
+        heads.append(total + cheap / n)
+    assert len(heads) > 100 and len(floors.heads) == len(heads)
+    np.testing.assert_allclose(floors.heads, heads, rtol=1e-12)
+    for m in (1, 2, 50, len(heads), len(heads) + 7):
+        ref = max([m * floors.f_min + floors.area] +
+                  [h + (m - k) * floors.f_min for k, h in enumerate(floors.heads[:m], start=1)])
+        assert floors.at_least(m) == ref
 
 
 def test_megatron_dcp_as_a_candidate_stops_at_its_deadline():
