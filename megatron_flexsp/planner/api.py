@@ -50,9 +50,9 @@ log = get_logger(__name__)
 #: open); a rounded plan is polished when at most ``GUIDED_SLACK`` slower than the best found
 GUIDED_HINTS = 2
 GUIDED_SLACK = 0.05
-#: the share of the budget after which the best homogeneous plan tries no further micro-batch
-#: count (it usually needs a few hundredths of a second; batches needing hundreds of micro-batches
-#: took a second)
+#: the share of the budget after which (counted from its start, and ending with the search's
+#: share) the best homogeneous plan tries no further micro-batch count (it usually needs a few
+#: hundredths of a second; batches needing hundreds of micro-batches took a second)
 HOMOGENEOUS_SHARE = 0.2
 #: the share of the budget at which the fast step search ends (and the candidates built before it)
 SEARCH_SHARE = 0.42
@@ -161,7 +161,7 @@ def simple_bounds(tab: Tables) -> SimpleBounds:
 def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPlan:
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the slot LP (a bound, and its placement rounded into a plan), the best homogeneous plan faster
-    than that one (no further count tried past 20% of the budget), the fast search (to 42% of the
+    than that one (no further count tried after 20% of the budget), the fast search (to 42% of the
     budget), polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs the best
     plan's fastest micro-batches, :func:`~planner.tail.repack_tail`, then searches the bound
     again, deeper, :func:`~planner.bound.deeper_bound`), plans rounded from its
@@ -187,7 +187,9 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         layout = pack_at_sizes(tab, slot.sizes)
         rounded.append((tab.step_ms(layout), "lp-rounded", layout))
     t0 = deadline.elapsed()
-    homo = H.best_homogeneous(tab, tab.sizes, deadline=_phase(deadline, cfg, HOMOGENEOUS_SHARE),
+    own = _phase(deadline, cfg, SEARCH_SHARE).capped(
+        time.perf_counter() + HOMOGENEOUS_SHARE * cfg.time_budget_s)
+    homo = H.best_homogeneous(tab, tab.sizes, deadline=own,
                               faster_than=min((c[0] for c in rounded), default=math.inf))
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
