@@ -14,6 +14,7 @@ whole layouts from these two operations. No solver; one packing is O(n log n).
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 
@@ -41,17 +42,29 @@ class LevelPacker:
         self.gpu_time_min = np.where(self.ok, self.gpu_time, np.inf).min(axis=0)  # cheapest GPU-time
         self.n_gpus = tab.cm.cluster.num_gpus
         self.f_min = float(self.fixed.min())
-        order = np.argsort(self.gpu_time, axis=0, kind="stable")       # cheapest size first
-        fits = np.take_along_axis(self.ok, order, axis=0)                # [sizes, n], in that order
-        self.row_order = [[r for r, f in zip(rows, oks) if f]
-                          for rows, oks in zip(order.T.tolist(), fits.T.tolist())]
-        # plain-Python copies for the per-item loops
+        # plain-Python copies for the per-item loops (the per-item ones built when first used: 0.2 s
+        # for 65,536 documents, where the search may have no time left to use them)
         self.lens_l = tab.lens.tolist()
-        self.total_l = self.total.T.tolist()
-        self.time_l = self.time.T.tolist()
         self.sizes_l = self.sizes.tolist()
         self.row_of = {d: r for r, d in enumerate(self.sizes_l)}
         self.fixed_l = self.fixed.tolist()
+
+    @functools.cached_property
+    def row_order(self) -> list[list[int]]:
+        """Per item, the rows (into ``sizes``) whose memory holds it, cheapest GPU-time first."""
+        order = np.argsort(self.gpu_time, axis=0, kind="stable")
+        fits = np.take_along_axis(self.ok, order, axis=0)                # [sizes, n], in that order
+        return [[r for r, f in zip(rows, oks) if f] for rows, oks in zip(order.T.tolist(), fits.T.tolist())]
+
+    @functools.cached_property
+    def total_l(self) -> list[list[float]]:
+        """Per item, per row: its time alone in a group, fixed cost included (ms)."""
+        return self.total.T.tolist()
+
+    @functools.cached_property
+    def time_l(self) -> list[list[float]]:
+        """Per item, per row: its time (ms)."""
+        return self.time.T.tolist()
 
     def lower_bound(self, items: np.ndarray, m: int) -> float:
         """Valid lower bound (ms) on ``m`` micro-batches running ``items``: every micro-batch pays
