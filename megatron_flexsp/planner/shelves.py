@@ -88,8 +88,9 @@ class ShelfPlanner:
     def layout(self, items: np.ndarray, bases: list[float], score: str, deadline,
                give_up_ms: float = math.inf, finish: bool = True) -> Layout | None:
         """Shelves of ``items`` over the base levels ``bases`` (ms) with ``score`` (one of
-        :data:`SCORES`). When ``deadline`` passes first, the rest is stuffed at the last level
-        chosen (None if that needs over :data:`FINISH_MAX` micro-batches, or if not ``finish``).
+        :data:`SCORES`). When ``deadline`` passes first, the shelf being chosen takes the best
+        level tried so far and the rest is stuffed at the last level chosen (None if that needs
+        over :data:`FINISH_MAX` micro-batches, or if not ``finish``).
         None once the micro-batches so far and a lower bound on the rest reach ``give_up_ms``. The
         layout's groups are its own."""
         if score not in SCORES:
@@ -112,8 +113,11 @@ class ShelfPlanner:
                     break
             best = None
             for level in self.candidates(left, bases, last):
-                if not finish and deadline.expired():
-                    return None
+                if deadline.expired():  # (each stuffing of 32,768 documents takes 0.05-0.1 s)
+                    if not finish:
+                        return None
+                    if best is not None:  # the best level tried so far
+                        break
                 key = path + (level,)
                 if key not in self._memo:
                     self._memo[key] = p.stuff(left, level)

@@ -1,8 +1,9 @@
-"""The planner's budget on very large batches: Megatron-DCP's greedy and the search stop at their
-deadlines, the homogeneous search wastes no packing (none where the plan in hand beats every
-homogeneous layout's lower bound), and a plan's indices come out as Python
-ints without a remapping pass. (How long the planner takes is measured by
-``scripts/bench_planner_robustness.py``, not here.)"""
+"""The planner's budget on very large batches: Megatron-DCP's greedy, the search, a shelf, a
+micro-batch's re-packing and draining stop at their deadlines, the polishing starts nothing it
+cannot pass over once, the homogeneous search wastes no packing (none where the plan in hand
+beats every homogeneous layout's lower bound), the step floors for every count come at once, and
+a plan's indices come out as Python ints without a remapping pass. (How long the planner takes is
+measured by ``scripts/bench_planner_robustness.py``, not here.)"""
 
 import itertools
 import json
@@ -190,6 +191,92 @@ def test_search_past_its_deadline_builds_nothing():
     late = search_step(tab, packer, m_min=H.min_micro_batches(tab), upper_ms=np.inf, deadline=Deadline(0.0))
     assert late == []
     assert search_step(tab, packer, m_min=H.min_micro_batches(tab), upper_ms=np.inf, deadline=Deadline(5.0))
+
+
+class _PassesAfter:
+    """A deadline that passes after ``checks`` looks at it (a clock that does not depend on the
+    machine's speed)."""
+
+    def __init__(self, checks: int) -> None:
+        self.checks, self.asked = checks, 0
+
+    def expired(self) -> bool:
+        self.asked += 1
+        return self.asked > self.checks
+
+
+def _counting(monkeypatch, obj, name: str) -> list:
+    calls = []
+    real = getattr(obj, name)
+    monkeypatch.setattr(obj, name, lambda *a, **k: calls.append(1) or real(*a, **k))
+    return calls
+
+
+def test_a_shelf_past_its_deadline_takes_the_best_level_tried(monkeypatch):
+    """Shelves whose deadline passes while the first shelf's levels are tried: that shelf takes the
+    level tried so far and the rest is stuffed, one stuffing a micro-batch (each stuffing of
+    32,768 documents takes 0.05-0.1 s), not every candidate level stuffed first."""
+    from megatron_flexsp.planner.shelves import ShelfPlanner
+
+    tab = Tables(np.random.default_rng(5).integers(1000, 20000, 100), _a100())
+    packer = LevelPacker(tab)
+    bases = [4000.0, 5000.0, 6000.0]
+    items = np.arange(len(tab.lens))
+    shelves = ShelfPlanner(packer)
+    assert len(shelves.candidates(items, bases)) >= 4 and H.min_micro_batches(tab) >= 2
+    stuffed = _counting(monkeypatch, packer, "stuff")
+    late = shelves.layout(items, bases, "estimate", _PassesAfter(1))
+    assert sorted(i for mb in late for g in mb for i in g.seqs) == items.tolist()
+    assert len(stuffed) <= len(late) + 1  # the first shelf's one level, then the rest's stuffings
+
+
+def test_repacking_stops_at_its_deadline_within_a_micro_batch(monkeypatch):
+    """Re-packing a micro-batch at its smallest level (a bisection of packings, 1 s for 32,768
+    documents) stops at the deadline within that micro-batch too, keeping the layout valid."""
+    tab = Tables(np.random.default_rng(6).integers(100, 20000, 600), _a100())
+    packer = LevelPacker(tab)
+    layout = H.best_homogeneous(tab, [16])[0]  # slow micro-batches: groups of 16 for short documents
+    full = _counting(monkeypatch, packer, "_pack_fast")
+    packer.repack(tab.clone_layout(layout), Deadline(60.0))
+    late = _counting(monkeypatch, packer, "_pack_fast")
+    packer.repack(layout, _PassesAfter(1))
+    assert len(full) >= 6 and len(late) <= 2
+    assert sorted(i for mb in layout for g in mb for i in g.seqs) == list(range(len(tab.lens)))
+
+
+def test_draining_gives_up_where_its_deadline_passes_while_it_indexes(monkeypatch):
+    """Draining a layout of thousands of micro-batches indexes every group first (a tenth of a
+    second for 65,536): a deadline passing there stops it before the rest are indexed, and leaves
+    the layout as it was."""
+    from megatron_flexsp.planner.drain import drain_micro_batches
+    from megatron_flexsp.planner.layout import GroupIndex
+
+    tab = Tables(np.full(3000, 4096), _a100())
+    layout = [[g] for mb in H.homogeneous(tab, 64, 3000) for g in mb]  # one document a micro-batch
+    before = [[(g.size, list(g.seqs)) for g in mb] for mb in layout]
+    indexed = _counting(monkeypatch, GroupIndex, "add")
+    assert drain_micro_batches(layout, tab, deadline=_PassesAfter(1)) == 0
+    assert len(indexed) <= 1024
+    assert [[(g.size, list(g.seqs)) for g in mb] for mb in layout] == before
+    assert drain_micro_batches(layout, tab, deadline=Deadline(60.0)) >= 1  # with time it drains
+
+
+def test_polishing_starts_nothing_it_cannot_pass_over_once():
+    """With less time left than one pass over the best layout takes (``PASS_S_PER_ITEM`` per
+    sequence and micro-batch), the polishing returns the layouts as they are, best first."""
+    from megatron_flexsp.planner.polish import PASS_S_PER_ITEM, polish
+
+    tab = Tables(np.random.default_rng(8).integers(100, 20000, 4096), _a100())
+    packer = LevelPacker(tab)
+    layouts = [H.best_homogeneous(tab, [d])[0] for d in (8, 16)]
+    found = [(tab.step_ms(lay), f"homogeneous-d{d}", lay) for d, lay in zip((8, 16), layouts)][::-1]
+    shapes = [[[(g.size, list(g.seqs)) for g in mb] for mb in lay] for _, _, lay in found]
+    need = PASS_S_PER_ITEM * (len(tab.lens) + len(layouts[0]))
+    out = polish(list(found), packer, Deadline(0.5 * need), {})
+    assert [c[0] for c in out] == sorted(c[0] for c in found)
+    assert [[[(g.size, list(g.seqs)) for g in mb] for mb in lay] for _, _, lay in found] == shapes
+    out = polish(list(found), packer, Deadline(0.3), {})
+    assert min(c[0] for c in out) < min(c[0] for c in found)  # with time it polishes
 
 
 @pytest.mark.parametrize("policy", ["truncate", "drop"])
