@@ -41,7 +41,7 @@ import numpy as np
 from megatron_flexsp.planner.drain import DRAIN_TRIES, drain_micro_batches, shed_slowest_groups
 from megatron_flexsp.planner.exchange import balance_groups
 from megatron_flexsp.planner.families import SETTLE_WITHIN, distinct, family, family_bests
-from megatron_flexsp.planner.layout import Group, Tables, improve_layout, mb_items
+from megatron_flexsp.planner.layout import Group, Tables, improve_layout, mb_items, room_for_a_pass
 from megatron_flexsp.planner.level import LevelPacker
 from megatron_flexsp.planner.neighbourhood import replan_neighbourhoods
 from megatron_flexsp.planner.reseed import reseed_micro_batches
@@ -53,10 +53,6 @@ Layout = list[list[Group]]
 #: neighbourhoods (:func:`~planner.neighbourhood.replan_neighbourhoods`) the touch-up tries per
 #: micro-batch of the plan, once its other moves stall, before it stops
 NEIGHBOURHOOD_TRIES = 16
-#: seconds one pass over a layout takes per sequence and per micro-batch (its spans and free
-#: memory, the local search's classes: 0.1 s for 65,536 micro-batches of one document each on a
-#: 2-core Xeon): the polishing starts no step with less time left than one pass of the best takes
-PASS_S_PER_ITEM = 2e-6
 
 
 def split_two(packer: LevelPacker, pool: np.ndarray, upper: float, deadline, levels: int = 4,
@@ -303,13 +299,13 @@ def polish(found: list[tuple[float, str, Layout]], packer: LevelPacker, deadline
     (:func:`resplit_pairs`, the rest). Returns the polished layouts and
     the best of those left (searched, or as it was); ``info`` records what each step did. Past
     ``deadline`` already, or with less time left than one pass over the best layout takes
-    (:data:`PASS_S_PER_ITEM`), returns ``found`` as it is, best first."""
+    (:func:`~planner.layout.room_for_a_pass`), returns ``found`` as it is, best first."""
     tab = packer.tab
     # the search ran past the polishing's end, or so close to it that one pass over the best
     # layout would: nothing is polished (on layouts of thousands of micro-batches each step below
     # costs tens of milliseconds even with nothing to do; on 65,536 of them, a tenth of a second)
     found = sorted(found, key=lambda c: c[0])
-    if not found or deadline.left() < PASS_S_PER_ITEM * (len(tab.lens) + len(found[0][2])):
+    if not found or not room_for_a_pass(deadline, tab, found[0][2]):
         return found
     start, span = time.perf_counter(), max(deadline.left(), 0.0)
 

@@ -264,7 +264,8 @@ def test_draining_gives_up_where_its_deadline_passes_while_it_indexes(monkeypatc
 def test_polishing_starts_nothing_it_cannot_pass_over_once():
     """With less time left than one pass over the best layout takes (``PASS_S_PER_ITEM`` per
     sequence and micro-batch), the polishing returns the layouts as they are, best first."""
-    from megatron_flexsp.planner.polish import PASS_S_PER_ITEM, polish
+    from megatron_flexsp.planner.layout import PASS_S_PER_ITEM
+    from megatron_flexsp.planner.polish import polish
 
     tab = Tables(np.random.default_rng(8).integers(100, 20000, 4096), _a100())
     packer = LevelPacker(tab)
