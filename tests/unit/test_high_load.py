@@ -261,9 +261,10 @@ def test_draining_gives_up_where_its_deadline_passes_while_it_indexes(monkeypatc
     assert drain_micro_batches(layout, tab, deadline=Deadline(60.0)) >= 1  # with time it drains
 
 
-def test_polishing_starts_nothing_it_cannot_pass_over_once():
+def test_polishing_starts_nothing_it_cannot_pass_over_once(monkeypatch):
     """With less time left than one pass over the best layout takes (``PASS_S_PER_ITEM`` per
     sequence and micro-batch), the polishing returns the layouts as they are, best first."""
+    from megatron_flexsp.planner import polish as polishing
     from megatron_flexsp.planner.layout import PASS_S_PER_ITEM
     from megatron_flexsp.planner.polish import polish
 
@@ -273,8 +274,9 @@ def test_polishing_starts_nothing_it_cannot_pass_over_once():
     found = [(tab.step_ms(lay), f"homogeneous-d{d}", lay) for d, lay in zip((8, 16), layouts)][::-1]
     shapes = [[[(g.size, list(g.seqs)) for g in mb] for mb in lay] for _, _, lay in found]
     need = PASS_S_PER_ITEM * (len(tab.lens) + len(layouts[0]))
+    started = _counting(monkeypatch, polishing, "distinct")  # its first step
     out = polish(list(found), packer, Deadline(0.5 * need), {})
-    assert [c[0] for c in out] == sorted(c[0] for c in found)
+    assert started == [] and [c[0] for c in out] == sorted(c[0] for c in found)
     assert [[[(g.size, list(g.seqs)) for g in mb] for mb in lay] for _, _, lay in found] == shapes
     out = polish(list(found), packer, Deadline(0.3), {})
     assert min(c[0] for c in out) < min(c[0] for c in found)  # with time it polishes
