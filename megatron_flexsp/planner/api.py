@@ -57,9 +57,10 @@ HOMOGENEOUS_SHARE = 0.2
 #: the share of the budget at which the fast step search ends (and the candidates built before it)
 SEARCH_SHARE = 0.42
 #: seconds per group and per sequence that turning the chosen layout into a plan takes after the
-#: last phase (0.15 s for 4,096 micro-batches of one document each on a 2-core EPYC): the last
-#: phase ends that much before the deadline where it is more than the tenth of the budget left
-ASSEMBLY_S_PER_ITEM = 2e-5
+#: last phase, with a margin (1-1.4 us per item for plans of 4,096-65,536 documents, 3-3.5 us
+#: where each micro-batch holds one document: 0.39 s for 65,536, on a 2-core Xeon whose Python
+#: loop of 1e7 additions takes 0.5 s): the last phase ends that much before the deadline
+ASSEMBLY_S_PER_ITEM = 5e-6
 #: the slot LP solved again once the LP bound's searches stall (:func:`_finer_slot`): bucket
 #: lengths at most 3% apart, 16 dual-feasible functions a size, 64 sequences placed one by one
 #: (3-4x the first slot LP's time); ``FINE_SLOT`` about 2x, with most of the gain
@@ -189,11 +190,13 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     t0 = deadline.elapsed()
     own = _phase(deadline, cfg, SEARCH_SHARE).capped(
         time.perf_counter() + HOMOGENEOUS_SHARE * cfg.time_budget_s)
-    homo = H.best_homogeneous(tab, tab.sizes, deadline=own,
+    tried: dict[tuple[int, int], float] = {}  # (size, count) -> step ms: what a resumed search skips
+    homo = H.best_homogeneous(tab, tab.sizes, deadline=own, tried=tried,
                               faster_than=min((c[0] for c in rounded), default=math.inf))
     if homo is not None:
         candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
     info["homogeneous_time_s"] = deadline.elapsed() - t0
+    homo_cut = homo is not None and own.expired()  # (its search may have been cut short)
     # Megatron-DCP's greedy only within the search's share
     ends = _phase_ends(cfg.time_budget_s)
     search_end = _phase(deadline, cfg, SEARCH_SHARE)
@@ -269,6 +272,14 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     best_layout = min(candidates, key=lambda c: c[0])[2]
     items = sum(len(mb) for mb in best_layout) + len(tab.lens)
     window = _phase(deadline, cfg, 0.95).capped(deadline.end - ASSEMBLY_S_PER_ITEM * items)
+    if homo_cut and min(candidates, key=lambda c: c[0])[2] is homo[0] and not window.expired():
+        # the plan is the homogeneous one, whose search its share cut short: it goes on with the
+        # time the phases left (65,536 documents at 256 H200 GPUs: 103 micro-batches after 0.8 s,
+        # 0.02% slower than the 106 BatchAda's search finds in 1.8 s, where the plan took 2 of 3 s)
+        more = H.best_homogeneous(tab, [homo[1]], deadline=window, faster_than=tab.step_ms(homo[0]),
+                                  tried=tried, resume=True)
+        if more is not None:
+            candidates.append((tab.step_ms(more[0]), f"homogeneous-d{homo[1]}", more[0]))
     info["runners_up"] = search_runners_up(candidates, tab, window)
     best_ms, method, layout = min(candidates, key=lambda c: c[0])
     info["touched_up"] = touch_up(layout, tab, window, packer)

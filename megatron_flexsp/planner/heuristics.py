@@ -94,7 +94,8 @@ def _groups_needed(ascending: np.ndarray, cap: float, orders: int = 64) -> int:
 
 
 def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3, deadline=None,
-                     faster_than: float = math.inf):
+                     faster_than: float = math.inf, tried: dict[tuple[int, int], float] | None = None,
+                     resume: bool = False):
     """Best (step time) homogeneous layout over ``sizes`` and micro-batch counts; (layout, d) or None.
 
     Per size, micro-batch counts from the memory minimum (or, when more, the groups every packing
@@ -111,7 +112,10 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
     micro-batches tried 49 counts). ``faster_than`` (ms): a plan already in hand; only layouts
     faster than it are searched for (None when the lower bounds show there is none), so a size
     whose bound is above it packs nothing (65,536 documents of up to 64K tokens at 64 GPUs: 23
-    packings, 2 s, where the slot LP's rounded plan is 8% below every size's bound)."""
+    packings, 2 s, where the slot LP's rounded plan is 8% below every size's bound). ``tried``:
+    step ms by (size, count), filled with the counts packed and read before packing one again, so
+    a later call with ``resume`` goes on where a call cut short by its deadline stopped (with
+    ``faster_than`` that call's best), stopping at its own deadline whatever it has found."""
     best_ms, best_d, best_m, best_owner = faster_than, 0, 0, None
     m0 = min_micro_batches(tab)
     longest = int(tab.lens.max())
@@ -136,12 +140,16 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
         misses, own = 0, math.inf  # counts in a row that did not improve on this size's best
         m, step, failed = starts[d], 1, 0  # failed: the last count LPT found no room at (0: none)
         start = m
-        seen: dict[int, float] = {}  # count -> step ms (the bisection's counts come up again after it)
-        packed: dict[int, list[list[int]]] = {}  # count -> sequences per group, while faster than the best
+        # count -> step ms (the bisection's counts come up again after it), and the sequences per
+        # group of those faster than the best (a count met again in a resumed call is packed again)
+        seen = {c: ms for (x, c), ms in tried.items() if x == d} if tried is not None else {}
+        packed: dict[int, list[list[int]]] = {}
 
         def step_ms(count: int) -> float:
             if count not in seen:
                 seen[count], owner = _homogeneous_ms(tab, d, count, by_length)
+                if tried is not None:
+                    tried[(d, count)] = seen[count]
                 if seen[count] < best_ms - 1e-9:
                     packed[count] = owner
             return seen[count]
@@ -152,7 +160,7 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
                     m = (failed + m) // 2      # back towards the last count without room
                     continue
                 break
-            if best_m and deadline is not None and deadline.expired():
+            if (best_m or resume) and deadline is not None and deadline.expired():
                 break
             ms = step_ms(m)
             if not math.isfinite(ms):
@@ -170,6 +178,8 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
                     continue
             failed, step = 0, 1
             if ms < best_ms - 1e-9:
+                if m not in packed:
+                    packed[m] = _homogeneous_ms(tab, d, m, by_length)[1]
                 best_ms, best_d, best_m, best_owner = ms, d, m, packed[m]
                 for c in [c for c in packed if seen[c] >= best_ms - 1e-9]:
                     del packed[c]

@@ -105,6 +105,29 @@ def test_homogeneous_search_looks_only_below_a_plan_in_hand(monkeypatch):
     assert H.best_homogeneous(tab, tab.sizes, faster_than=gpu_time) is None and tries == []
 
 
+def test_homogeneous_search_cut_short_resumes_where_it_stopped(monkeypatch):
+    """Cut by its deadline after its first plan, the search resumed with the counts it tried
+    (``tried``) and that plan's time ends where the uncut search does, packing again no count the
+    first call packed except the one it keeps; a resumed call stops at its own deadline."""
+    rng = np.random.default_rng(4)
+    n = int(rng.choice([512, 1024, 2048]))
+    tab = Tables(rng.integers(1, int(rng.choice([4000, 16000, 30000])), n), _a100())  # 2,048 of < 30K
+    full = H.best_homogeneous(tab, [8])
+    tried: dict = {}
+    cut = H.best_homogeneous(tab, [8], deadline=Deadline(0.0), tried=tried)
+    assert tab.step_ms(cut[0]) > tab.step_ms(full[0]) * (1 + 1e-6)  # the case this test is about
+    first = dict(tried)
+    packed = []
+    real = H._homogeneous_ms
+    monkeypatch.setattr(H, "_homogeneous_ms", lambda *a: packed.append(a[2]) or real(*a))
+    assert H.best_homogeneous(tab, [8], deadline=Deadline(0.0), faster_than=tab.step_ms(cut[0]),
+                              tried=dict(first), resume=True) is None and packed == []
+    more = H.best_homogeneous(tab, [8], deadline=Deadline(60.0), faster_than=tab.step_ms(cut[0]),
+                              tried=tried, resume=True)
+    assert len(more[0]) == len(full[0]) and tab.step_ms(more[0]) == pytest.approx(tab.step_ms(full[0]))
+    assert len([m for m in packed if (8, m) in first]) <= 1
+
+
 def test_planner_packs_no_homogeneous_layout_its_rounded_plan_beats(monkeypatch):
     """256 documents of up to 60K tokens at 64 GPUs: the slot LP's rounded plan is faster than
     every homogeneous layout's lower bound, so the planner packs none (each packing of 65,536
