@@ -163,10 +163,10 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     """Anytime FlexSP planning within ``cfg.time_budget_s`` (``deadline``, started with the call):
     the slot LP (a bound, and its placement rounded into a plan), the best homogeneous plan faster
     than that one (no further count tried after 20% of the budget), the fast search (to 42% of the
-    budget), polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs the best
-    plan's fastest micro-batches, :func:`~planner.tail.repack_tail`, then searches the bound
-    again, deeper, :func:`~planner.bound.deeper_bound`), plans rounded from its
-    relaxation (to 84%), then
+    budget), polishing (to 55%), the LP bound (to 81%; what its stalled searches leave re-packs
+    the best plan's fastest micro-batches, :func:`~planner.tail.repack_tail`, then searches the
+    bound again, deeper, :func:`~planner.bound.deeper_bound`), plans rounded from its relaxation
+    (to 84%), then
     the MILPs (``search="milp"``) on what is left, ending at 87% of the budget, and the chosen plan
     touched up (the local search and exchanges) to 95%, or earlier where assembling the plan
     (:data:`ASSEMBLY_S_PER_ITEM`) needs more than the rest. Past a budget of 1 s the 0.07 s,
@@ -174,8 +174,10 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     the shares tend to 62/79/83%. The slot LP's rounding and, where some homogeneous layout's
     lower bound is below it, the best homogeneous plan are built whatever the time (the plan is
     never slower than either); Megatron-DCP's greedy gives up at the search's end and the search
-    builds nothing past it, so on batches of tens of thousands of documents the budget holds
-    wherever those two fit in it."""
+    builds nothing past it, and no phase after it starts a pass over the whole plan without the
+    time one takes (:func:`~planner.layout.room_for_a_pass`), so on batches of tens of thousands
+    of documents the budget holds wherever those two fit in it. Where the plan is the
+    homogeneous one and its search was cut short, it goes on with the time the phases leave."""
     info: dict = {}
     candidates = []
     # the slot LP's placement, rounded to one size per sequence and packed, first: it is built

@@ -104,9 +104,9 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
     (fixed costs plus GPU-time over N, or the longest sequence) cannot beat the best so far ends
     that size's counts. Counts where LPT finds no room are stepped over 1, 2, 4, ... at a time
     (back towards the last without room where a step passes that bound), then bisected back to
-    the fewest with room (a batch needing 397 micro-batches of 16 had 43
-    counts without room from the memory minimum on); no count is packed twice. Sizes are tried by
-    that lower bound at their first count, least first. ``deadline`` (with ``expired()``): no
+    the fewest with room (a batch needing 397 micro-batches of 16 had 43 counts without room from
+    the memory minimum on); no count is packed twice. Sizes are tried by that lower bound at their
+    first count, least first. ``deadline`` (with ``expired()``): no
     further count is tried once it has passed and a layout was found (each try packs the whole
     batch: 20 ms for 4,096 documents at 64 GPUs, 0.1 s for 65,536, and a batch needing 470
     micro-batches tried 49 counts). ``faster_than`` (ms): a plan already in hand; only layouts

@@ -54,7 +54,8 @@ class LevelPacker:
         """Per item, the rows (into ``sizes``) whose memory holds it, cheapest GPU-time first."""
         order = np.argsort(self.gpu_time, axis=0, kind="stable")
         fits = np.take_along_axis(self.ok, order, axis=0)                # [sizes, n], in that order
-        return [[r for r, f in zip(rows, oks) if f] for rows, oks in zip(order.T.tolist(), fits.T.tolist())]
+        return [[r for r, f in zip(rows, oks) if f]
+                for rows, oks in zip(order.T.tolist(), fits.T.tolist())]
 
     @functools.cached_property
     def total_l(self) -> list[list[float]]:
