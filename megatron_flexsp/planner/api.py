@@ -196,7 +196,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
     homo = H.best_homogeneous(tab, tab.sizes, deadline=own, tried=tried,
                               faster_than=min((c[0] for c in rounded), default=math.inf))
     if homo is not None:
-        candidates.append((tab.step_ms(homo[0]), f"homogeneous-d{homo[1]}", homo[0]))
+        homo_ms = tab.step_ms(homo[0])
+        candidates.append((homo_ms, f"homogeneous-d{homo[1]}", homo[0]))
     info["homogeneous_time_s"] = deadline.elapsed() - t0
     homo_cut = homo is not None and own.expired()  # (its search may have been cut short)
     # Megatron-DCP's greedy only within the search's share
@@ -278,8 +279,8 @@ def _plan_flexsp(tab: Tables, cfg: PlannerConfig, deadline: Deadline) -> StepPla
         # the plan is the homogeneous one, whose search its share cut short: it goes on with the
         # time the phases left (65,536 documents at 256 H200 GPUs: 103 micro-batches after 0.8 s,
         # 0.02% slower than the 106 BatchAda's search finds in 1.8 s, where the plan took 2 of 3 s)
-        more = H.best_homogeneous(tab, [homo[1]], deadline=window, faster_than=tab.step_ms(homo[0]),
-                                  tried=tried, resume=True)
+        more = H.best_homogeneous(tab, [homo[1]], deadline=window, faster_than=homo_ms, tried=tried,
+                                  resume=True)
         if more is not None:
             candidates.append((tab.step_ms(more[0]), f"homogeneous-d{homo[1]}", more[0]))
     info["runners_up"] = search_runners_up(candidates, tab, window)

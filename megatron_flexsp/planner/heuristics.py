@@ -124,6 +124,7 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
     a later call with ``resume`` goes on where a call cut short by its deadline stopped (with
     ``faster_than`` that call's best), stopping at its own deadline whatever it has found."""
     best_ms, best_d, best_m, best_owner = faster_than, 0, 0, None
+    tried = {} if tried is None else tried  # (size, count) -> step ms: no count is packed twice
     m0 = min_micro_batches(tab)
     longest = int(tab.lens.max())
     n_gpus = tab.cm.cluster.num_gpus
@@ -147,19 +148,16 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
         misses, own = 0, math.inf  # counts in a row that did not improve on this size's best
         m, step, failed = starts[d], 1, 0  # failed: the last count LPT found no room at (0: none)
         start = m
-        # count -> step ms (the bisection's counts come up again after it), and the sequences per
-        # group of those faster than the best (a count met again in a resumed call is packed again)
-        seen = {c: ms for (x, c), ms in tried.items() if x == d} if tried is not None else {}
+        # the sequences per group of the counts packed faster than the best (a count met again in
+        # a resumed call is packed again)
         packed: dict[int, list[list[int]]] = {}
 
         def step_ms(count: int) -> float:
-            if count not in seen:
-                seen[count], owner = _homogeneous_ms(tab, d, count, by_length)
-                if tried is not None:
-                    tried[(d, count)] = seen[count]
-                if seen[count] < best_ms - 1e-9:
+            if (d, count) not in tried:
+                tried[(d, count)], owner = _homogeneous_ms(tab, d, count, by_length)
+                if tried[(d, count)] < best_ms - 1e-9:
                     packed[count] = owner
-            return seen[count]
+            return tried[(d, count)]
 
         while m <= len(tab.lens):
             if floor(d, m) >= best_ms:
@@ -188,7 +186,7 @@ def best_homogeneous(tab: Tables, sizes: list[int], extra_micro_batches: int = 3
                 if m not in packed:
                     packed[m] = _homogeneous_ms(tab, d, m, by_length)[1]
                 best_ms, best_d, best_m, best_owner = ms, d, m, packed[m]
-                for c in [c for c in packed if seen[c] >= best_ms - 1e-9]:
+                for c in [c for c in packed if tried[(d, c)] >= best_ms - 1e-9]:
                     del packed[c]
             if ms < own - 1e-9:  # (against the size's own best, so the order of sizes does not cut
                 own, misses = ms, 0  # a size short: lognormal documents at 256 H200 GPUs, groups of
